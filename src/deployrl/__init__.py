@@ -1,0 +1,3 @@
+"""deployrl: RL post-training of language models against the engine you deploy."""
+
+__version__ = "0.1.0"

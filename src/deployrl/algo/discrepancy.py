@@ -1,0 +1,204 @@
+"""Train/inference discrepancy and its control (DC-GRPO), plus the baselines it is compared with.
+
+The rollout engine reports `logp_inf` for every token it sampled; the trainer recomputes
+`logp_old` in training precision. Their gap is measured per token (delta), averaged per
+trajectory (D_k), and constrained as mean_k D_k <= c through a Lagrange multiplier lambda:
+
+    shaped advantage   A_hat[k,t] = A_k - lambda * delta[k,t]      (`full` penalty)
+                                  = A_k - lambda * max(0, delta - c) (`hinge` penalty)
+    dual update        lambda <- clip(lambda + eta * (mean D - c), 0, lambda_max)
+
+(seed 000: discrepancy-constrained GRPO, black-box constraint, Lagrangian relaxation with one
+dual-ascent step per training step). delta and lambda carry no gradient.
+
+Baselines: truncated importance sampling (`tis`, weights min(exp(logp_old - logp_inf), C))
+and `mask` (weight 0 for tokens whose ratio exp(logp_old - logp_inf) lies outside [1/C, C]).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from deployrl.algo._checks import check_non_negative, check_positive, check_same_shape
+from deployrl.registry import Registry, unknown_name_error
+
+SIGNALS: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Registry(
+    "discrepancy signal"
+)
+CORRECTIONS: Registry[Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = Registry(
+    "importance correction"
+)
+PENALTIES = ("full", "hinge")
+
+
+@SIGNALS.register("diff")
+def delta_diff(logp_old: torch.Tensor, logp_inf: torch.Tensor) -> torch.Tensor:
+    """|p_old - p_inf|, bounded in [0, 1]."""
+    return (logp_old.exp() - logp_inf.exp()).abs()
+
+
+@SIGNALS.register("ratio")
+def delta_ratio(logp_old: torch.Tensor, logp_inf: torch.Tensor) -> torch.Tensor:
+    """|p_old / p_inf - 1|."""
+    return torch.expm1(logp_old - logp_inf).abs()
+
+
+@SIGNALS.register("log")
+def delta_log(logp_old: torch.Tensor, logp_inf: torch.Tensor) -> torch.Tensor:
+    """|logp_old - logp_inf|."""
+    return (logp_old - logp_inf).abs()
+
+
+def token_discrepancy(
+    logp_old: torch.Tensor, logp_inf: torch.Tensor, mask: torch.Tensor, signal: str = "diff"
+) -> torch.Tensor:
+    """delta [B, T] between trainer and engine log-probs [B, T]; zero on padding."""
+    fn = SIGNALS.get(signal)
+    check_same_shape(logp_old=logp_old, logp_inf=logp_inf, mask=mask)
+    delta = fn(logp_old.detach(), logp_inf.detach())
+    return torch.where(mask.bool(), delta, torch.zeros_like(delta))
+
+
+def trajectory_discrepancy(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """D [B]: the mean of delta [B, T] over each completion's real tokens (0 if none)."""
+    check_same_shape(delta=delta, mask=mask)
+    mask_f = mask.to(delta.dtype)
+    return (delta * mask_f).sum(dim=1) / mask_f.sum(dim=1).clamp(min=1)
+
+
+def shape_advantages(
+    advantages: torch.Tensor,
+    delta: torch.Tensor,
+    mask: torch.Tensor,
+    lam: float,
+    penalty: str = "full",
+    tolerance: float = 0.0,
+) -> torch.Tensor:
+    """A_hat [B, T] = advantages - lam * penalty(delta); zero on padding.
+
+    `full` penalises delta itself, `hinge` only its excess max(0, delta - tolerance).
+    """
+    check_same_shape(advantages=advantages, delta=delta, mask=mask)
+    if penalty not in PENALTIES:
+        raise unknown_name_error("discrepancy penalty", penalty, list(PENALTIES))
+    check_non_negative("lam", lam)
+    excess = delta if penalty == "full" else (delta - tolerance).clamp(min=0)
+    shaped = advantages - lam * excess.detach()
+    return torch.where(mask.bool(), shaped, torch.zeros_like(shaped))
+
+
+def dual_step(
+    lam: float, mean_discrepancy: float, tolerance: float, lr: float, lam_max: float
+) -> float:
+    """One projected dual-ascent step: clip(lam + lr * (mean D - tolerance), 0, lam_max)."""
+    return min(max(lam + lr * (mean_discrepancy - tolerance), 0.0), lam_max)
+
+
+@dataclass
+class DualController:
+    """The Lagrange multiplier of the constraint mean D <= tolerance, with its update rule."""
+
+    tolerance: float
+    lr: float
+    lam_max: float = 100.0
+    lam: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_non_negative("tolerance", self.tolerance)
+        check_positive("lr", self.lr)
+        check_positive("lam_max", self.lam_max)
+        if not 0 <= self.lam <= self.lam_max:
+            raise ValueError(f"lam must lie in [0, lam_max={self.lam_max}], got {self.lam}")
+
+    def step(self, mean_discrepancy: float) -> float:
+        """Update lambda from this step's mean trajectory discrepancy and return it."""
+        if not math.isfinite(mean_discrepancy):
+            raise ValueError(f"mean discrepancy must be finite, got {mean_discrepancy}")
+        self.lam = dual_step(self.lam, mean_discrepancy, self.tolerance, self.lr, self.lam_max)
+        return self.lam
+
+    def state_dict(self) -> dict[str, float]:
+        return {"lam": self.lam}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        if set(state) != {"lam"}:
+            raise ValueError(f"dual state must have exactly the key 'lam', got {sorted(state)}")
+        lam = float(state["lam"])
+        if not 0 <= lam <= self.lam_max:
+            raise ValueError(f"dual state lam={lam} is outside [0, lam_max={self.lam_max}]")
+        self.lam = lam
+
+
+@CORRECTIONS.register("none")
+def no_correction(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
+    """Weight 1 everywhere: ignore the engine's log-probs."""
+    return torch.ones_like(logp_old)
+
+
+@CORRECTIONS.register("tis")
+def tis_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weights min(exp(logp_old - logp_inf), cap), [B, T]."""
+    check_positive("cap", cap)
+    return torch.exp(logp_old - logp_inf).clamp(max=cap).detach()
+
+
+@CORRECTIONS.register("mask")
+def mask_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
+    """1 where exp(logp_old - logp_inf) lies in [1/cap, cap], else 0, [B, T]."""
+    if not cap > 1:
+        raise ValueError(f"the mask band [1/cap, cap] needs cap > 1, got {cap}")
+    log_ratio = (logp_old - logp_inf).detach()
+    return (log_ratio.abs() <= math.log(cap)).to(logp_old.dtype)
+
+
+def correction_weights(
+    name: str, logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float = 2.0
+) -> torch.Tensor:
+    """Per-token weights [B, T] of the importance correction `name` (none, tis, mask)."""
+    fn = CORRECTIONS.get(name)
+    check_same_shape(logp_old=logp_old, logp_inf=logp_inf)
+    return fn(logp_old, logp_inf, cap)
+
+
+def _bucket_means(
+    values: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, edges: Sequence[float], prefix: str
+) -> dict[str, torch.Tensor]:
+    """Mean of `values` over real tokens whose key falls in [edges[i], edges[i+1]); NaN if empty."""
+    edge_t = torch.tensor(edges, dtype=keys.dtype)
+    index = torch.bucketize(keys[mask], edge_t[1:-1], right=True)  # [N]
+    sums = torch.zeros(len(edges) - 1, dtype=values.dtype).index_add_(0, index, values[mask])
+    counts = torch.zeros(len(edges) - 1, dtype=values.dtype).index_add_(
+        0, index, torch.ones_like(values[mask])
+    )
+    means = sums / counts  # NaN where a bucket is empty
+    return {f"{prefix}/{edges[i]:g}-{edges[i + 1]:g}": means[i] for i in range(len(edges) - 1)}
+
+
+def discrepancy_summary(
+    delta: torch.Tensor,
+    mask: torch.Tensor,
+    logp_old: torch.Tensor,
+    tolerance: float,
+    prob_edges: Sequence[float] = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0),
+    position_edges: Sequence[float] = (0, 16, 64, 256, 1024, math.inf),
+) -> dict[str, torch.Tensor]:
+    """Scalars for logging: mean D, max delta, fraction of tokens over the tolerance, and the
+    mean delta by the trainer's token probability and by completion position (0-based).
+    All inputs [B, T]; bucket means are NaN where a bucket holds no token.
+    """
+    check_same_shape(delta=delta, mask=mask, logp_old=logp_old)
+    real = mask.bool()
+    with torch.no_grad():
+        summary = {
+            "mean_D": trajectory_discrepancy(delta, mask).mean(),
+            "max_delta": delta[real].max() if real.any() else delta.new_zeros(()),
+            "frac_over_tolerance": (delta[real] > tolerance).to(delta.dtype).mean(),
+        }
+        positions = torch.arange(delta.shape[1], dtype=delta.dtype).expand_as(delta)
+        summary |= _bucket_means(delta, logp_old.exp(), real, prob_edges, "delta_by_prob")
+        summary |= _bucket_means(delta, positions, real, position_edges, "delta_by_pos")
+    return summary

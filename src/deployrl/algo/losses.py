@@ -1,0 +1,180 @@
+"""Policy losses: PPO clipped surrogate, aggregations, KL estimators.
+
+* Clipped surrogate — Schulman et al. 2017, with DAPO's clip-higher (Yu et al. 2025):
+  separate eps_low / eps_high, and the optional dual clip of Ye et al. 2020 that bounds the
+  loss of negative-advantage tokens at -c*A (c > 1).
+* Aggregation is its own setting (verl's `agg_loss`): ``token_mean`` (DAPO),
+  ``seq_mean_token_mean`` (GRPO), ``seq_mean_token_sum_norm`` (Dr. GRPO: a constant
+  denominator, the maximum completion length).
+* KL to a reference policy (Schulman's estimators): ``k1`` = log r, ``k2`` = (log r)^2 / 2,
+  ``k3`` = exp(-log r) + log r - 1 with log r = logp - logp_ref.
+
+Per-token weights (truncated IS, prefix-sampling 1/xi with zeros on dropped tokens, token
+subsets) multiply each token's loss. The aggregation's denominator is computed from `mask`,
+the real completion tokens, never from the weights: dividing by the number of kept tokens
+would make the prefix-sampled loss a biased estimate of the full one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from deployrl.algo._checks import check_non_negative, check_same_shape
+from deployrl.registry import Registry
+
+Aggregation = Callable[[torch.Tensor, torch.Tensor, Optional[float], Optional[float]], torch.Tensor]
+AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
+KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("KL estimator")
+
+
+@AGGREGATIONS.register("token_mean")
+def token_mean(values, mask, max_length=None, denominator=None):
+    """sum over tokens / number of real tokens (`denominator` overrides the count)."""
+    count = mask.sum() if denominator is None else denominator
+    return (values * mask).sum() / count
+
+
+@AGGREGATIONS.register("seq_mean_token_mean")
+def seq_mean_token_mean(values, mask, max_length=None, denominator=None):
+    """Mean over sequences of each sequence's token mean (`denominator`: sequence count)."""
+    per_seq = (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
+    count = mask.shape[0] if denominator is None else denominator
+    return per_seq.sum() / count
+
+
+@AGGREGATIONS.register("seq_mean_token_sum_norm")
+def seq_mean_token_sum_norm(values, mask, max_length=None, denominator=None):
+    """sum over tokens / (sequences * max_length): Dr. GRPO's constant denominator."""
+    if max_length is None:
+        raise ValueError("seq_mean_token_sum_norm needs max_length (the maximum completion length)")
+    count = mask.shape[0] if denominator is None else denominator
+    return (values * mask).sum() / (count * max_length)
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    max_length: Optional[float] = None,
+    denominator: Optional[float] = None,
+) -> torch.Tensor:
+    """Reduce per-token values [B, T] to a scalar by the aggregation `mode`.
+
+    `mask` [B, T] marks real completion tokens. `denominator` replaces the token count
+    (token_mean) or the sequence count (the other modes): pass the whole batch's count when
+    a batch is split into micro-batches, so that their losses add up to the batch loss.
+    """
+    fn = AGGREGATIONS.get(mode)
+    check_same_shape(values=values, mask=mask)
+    return fn(values, mask.to(values.dtype), max_length, denominator)
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(log_ratio: torch.Tensor) -> torch.Tensor:
+    return 0.5 * log_ratio.square()
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate [B, T] of KL(pi || pi_ref) from samples of pi."""
+    return KL_ESTIMATORS.get(estimator)(logp - logp_ref)
+
+
+@dataclass
+class LossOutputs:
+    """The scalar loss and per-token terms of one policy-loss evaluation."""
+
+    loss: torch.Tensor  # []
+    token_loss: torch.Tensor  # [B, T], before weights and aggregation
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # scalars, no grad
+
+
+def clipped_surrogate(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A), all [B, T].
+
+    Returns (loss, clipped) where `clipped` marks tokens whose clipped branch was taken.
+    """
+    ratio = torch.exp(logp - logp_old)
+    unclipped = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    clipped = clipped_loss > unclipped
+    if dual_clip is not None:
+        bounded = torch.minimum(loss, -advantages * dual_clip)
+        loss = torch.where(advantages < 0, bounded, loss)
+    return loss, clipped
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: Optional[torch.Tensor] = None,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: Optional[float] = None,
+    aggregation: str = "token_mean",
+    max_length: Optional[float] = None,
+    denominator: Optional[float] = None,
+    logp_ref: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+) -> LossOutputs:
+    """The GRPO-family loss: clipped surrogate (+ beta*KL), weighted per token, aggregated.
+
+    logp [B, T] (with grad), logp_old [B, T], advantages [B, T] (already shaped, e.g. by
+    the discrepancy penalty), mask [B, T] real completion tokens, weights [B, T] per-token
+    multipliers (None = 1). The denominator of the aggregation depends on `mask` only.
+    """
+    check_same_shape(logp=logp, logp_old=logp_old, advantages=advantages, mask=mask)
+    if weights is not None:
+        check_same_shape(logp=logp, weights=weights)
+    check_non_negative("eps_low", eps_low)
+    check_non_negative("eps_high", eps_high)
+    if eps_low >= 1:
+        raise ValueError(f"eps_low must be < 1 so that 1 - eps_low > 0, got {eps_low}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    check_non_negative("kl_coef", kl_coef)
+    if kl_coef > 0 and logp_ref is None:
+        raise ValueError("kl_coef > 0 needs logp_ref, the reference policy's log-probs")
+    AGGREGATIONS.get(aggregation)
+
+    mask_f = mask.to(logp.dtype)
+    surrogate, clipped = clipped_surrogate(logp, logp_old, advantages, eps_low, eps_high, dual_clip)
+    token_loss = surrogate
+    metrics: dict[str, torch.Tensor] = {}
+    if kl_coef > 0:
+        kl = kl_penalty(logp, logp_ref, kl_estimator)
+        token_loss = token_loss + kl_coef * kl
+        metrics["kl_ref"] = token_mean(kl.detach(), mask_f)
+    weighted = token_loss if weights is None else token_loss * weights
+    loss = aggregate(weighted, mask_f, aggregation, max_length, denominator)
+
+    with torch.no_grad():
+        log_ratio = logp - logp_old
+        metrics["clip_fraction"] = token_mean(clipped.to(logp.dtype), mask_f)
+        metrics["approx_kl_old"] = token_mean(kl_k3(log_ratio), mask_f)
+        metrics["ratio_mean"] = token_mean(log_ratio.exp(), mask_f)
+    return LossOutputs(loss=loss, token_loss=token_loss, metrics=metrics)

@@ -1,0 +1,278 @@
+"""Prefix sampling for PS-PPO: cutoff laws, cutoff draws, 1/xi weights, and their proxies.
+
+Source: seed 004 (PS-PPO). For one prompt group of K completions, T positions, n_t the number
+of completions still alive at position t (1-based in the math, 0-based in the code), a cutoff
+law xi_t = Pr(H >= t) is non-increasing in t. Completion k draws U ~ Uniform(0, 1) and keeps
+positions t <= H_k = max{t <= T_k : xi_t >= U}; each kept token's loss is multiplied by 1/xi_t,
+so E[1{H >= t} / xi_t] = 1 and the expected loss equals the full-trajectory loss, provided its
+normaliser does not depend on H (see `deployrl.algo.losses`).
+
+The ``optimized`` law minimises the variance surrogate sum_t W_t / xi_t subject to
+sum_t n_t xi_t <= K*B, xi non-increasing, xi_min <= xi_t <= 1, with W_t = sum_{k alive} w[k,t].
+Its solution is xi_t = clip(sqrt(v_hat_t) / mu, xi_min, 1), v_hat the non-increasing isotonic
+regression of v_t = W_t / n_t with weights n_t (scipy's PAV), and mu found by bisection so the
+budget binds. Every other budgeted law is a fixed non-increasing shape f_t scaled the same way,
+xi_t = clip(s * f_t, xi_min, 1), so one budget fit serves them all:
+
+* ``full``      xi = 1 (no budget);
+* ``uniform``   f_t = (T - t + 1) / T  (at s = 1 the cutoff is uniform on 1..T);
+* ``temporal``  f_t = 1 / t            (priority to early tokens);
+* ``heuristic`` the optimized solver fed a heuristic w (next-token entropy, by convention);
+* ``optimized`` the solver fed w = gamma * u (gradient-norm proxy x reward uncertainty);
+* ``sgrpo``     the S-GRPO baseline: every token kept independently with one probability q
+                (constant f), weight 1/q. It samples tokens, not prefixes.
+
+Deviation from the seed: the seed writes the surrogate as sum_t w_t (1/xi_t - 1); the constant
+term does not change the minimiser, so it is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from scipy.optimize import isotonic_regression
+
+from deployrl.algo._checks import check_ndim, check_positive, check_same_shape
+from deployrl.registry import Registry, unknown_name_error
+
+ShapeFn = Callable[[np.ndarray, Optional[np.ndarray]], np.ndarray]
+UNCERTAINTY_METRICS = ("tv", "l2")
+
+
+def uniform_shape(n_alive: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:
+    t = len(n_alive)
+    return (t - np.arange(t)) / t
+
+
+def temporal_shape(n_alive: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:
+    return 1.0 / np.arange(1, len(n_alive) + 1)
+
+
+def constant_shape(n_alive: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:
+    return np.ones(len(n_alive))
+
+
+def optimal_shape(n_alive: np.ndarray, weights: Optional[np.ndarray]) -> np.ndarray:
+    """sqrt of the non-increasing isotonic regression of W_t / n_t (weights n_t)."""
+    v = weights / n_alive
+    v_hat = isotonic_regression(v, weights=n_alive, increasing=False).x
+    return np.sqrt(np.clip(v_hat, 0.0, None))
+
+
+@dataclass(frozen=True)
+class CutoffStrategy:
+    """How a strategy shapes its law and draws the kept tokens."""
+
+    shape: Optional[ShapeFn]  # None: xi = 1, no budget
+    needs_weights: bool = False
+    independent_tokens: bool = False  # True: Bernoulli per token (S-GRPO), not a prefix
+
+
+STRATEGIES: Registry[CutoffStrategy] = Registry("cutoff strategy")
+STRATEGIES.register("full")(CutoffStrategy(shape=None))
+STRATEGIES.register("uniform")(CutoffStrategy(shape=uniform_shape))
+STRATEGIES.register("temporal")(CutoffStrategy(shape=temporal_shape))
+STRATEGIES.register("heuristic")(CutoffStrategy(shape=optimal_shape, needs_weights=True))
+STRATEGIES.register("optimized")(CutoffStrategy(shape=optimal_shape, needs_weights=True))
+STRATEGIES.register("sgrpo")(CutoffStrategy(shape=constant_shape, independent_tokens=True))
+
+
+def fit_to_budget(
+    shape: np.ndarray, n_alive: np.ndarray, total_budget: float, xi_min: float, iters: int = 200
+) -> np.ndarray:
+    """xi = clip(s * shape, xi_min, 1) with the largest s such that sum n * xi <= total_budget.
+
+    shape [T] >= 0, n_alive [T] > 0. If even xi = 1 (or xi = 1 wherever shape > 0) fits in the
+    budget, that is returned: the budget does not bind.
+    """
+    if n_alive.sum() <= total_budget:
+        return np.ones_like(shape)
+    positive = shape > 0
+    if not positive.any():
+        return np.full_like(shape, xi_min)
+
+    def spent(scale: float) -> float:
+        return float((n_alive * np.clip(scale * shape, xi_min, 1.0)).sum())
+
+    hi = 1.0 / shape[positive].min()
+    if spent(hi) <= total_budget:
+        return np.clip(hi * shape, xi_min, 1.0)
+    lo = 0.0
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if spent(mid) <= total_budget else (lo, mid)
+        if hi - lo <= 1e-15 * hi:
+            break
+    return np.clip(lo * shape, xi_min, 1.0)
+
+
+def variance_surrogate(xi: torch.Tensor, group_weights: torch.Tensor) -> torch.Tensor:
+    """sum_t W_t / xi_t over positions with W_t > 0; xi, W [..., T] -> [...]."""
+    terms = torch.where(group_weights > 0, group_weights / xi, torch.zeros_like(xi))
+    return terms.sum(dim=-1)
+
+
+def alive_counts(mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """n [G, T]: completions of each group still alive at each position, from mask [B, T]."""
+    return mask.reshape(-1, group_size, mask.shape[1]).to(torch.float64).sum(dim=1)
+
+
+def group_weight_sums(token_weights: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """W [G, T] = sum over alive completions of w [B, T]."""
+    w = (token_weights.to(torch.float64) * mask).reshape(-1, group_size, mask.shape[1])
+    return w.sum(dim=1)
+
+
+def cutoff_law(
+    strategy: str,
+    mask: torch.Tensor,
+    group_size: int,
+    budget: float,
+    xi_min: float = 0.01,
+    token_weights: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The inclusion probabilities xi [G, T] of each prompt group (0 beyond its longest row).
+
+    mask [B, T] real completion tokens, rows group-major (row g*K + k) and contiguous from
+    position 0; `budget` B is the expected number of backpropagated tokens per completion;
+    token_weights [B, T] is w (>= 0) for strategies that need it (heuristic, optimized).
+    """
+    spec = STRATEGIES.get(strategy)
+    check_ndim("mask", mask, 2, "[B, T] (completions x positions)")
+    if group_size < 1 or mask.shape[0] % group_size:
+        raise ValueError(f"mask has {mask.shape[0]} rows, not a multiple of group_size={group_size}")
+    check_positive("budget", budget)
+    if not 0 < xi_min <= 1:
+        raise ValueError(f"xi_min must lie in (0, 1], got {xi_min}")
+    if spec.needs_weights:
+        if token_weights is None:
+            raise ValueError(f"cutoff strategy {strategy!r} needs token_weights [B, T]")
+        check_same_shape(token_weights=token_weights, mask=mask)
+        if (token_weights < 0).any() or not torch.isfinite(token_weights).all():
+            raise ValueError("token_weights must be finite and >= 0")
+
+    n_alive = alive_counts(mask, group_size).numpy()  # [G, T]
+    weight_sums = (
+        group_weight_sums(token_weights, mask, group_size).numpy() if spec.needs_weights else None
+    )
+    total_budget = group_size * budget
+    xi = np.zeros_like(n_alive)
+    for g, n_g in enumerate(n_alive):
+        length = int((n_g > 0).sum())
+        if length == 0:
+            continue
+        n = n_g[:length]
+        if spec.shape is None:
+            xi[g, :length] = 1.0
+            continue
+        if xi_min * n.sum() > total_budget:
+            raise ValueError(
+                f"xi_min={xi_min} keeps {xi_min * n.sum():.1f} tokens of group {g} in expectation,"
+                f" above the budget K*B={total_budget:g}; lower xi_min or raise the budget"
+            )
+        w = weight_sums[g, :length] if weight_sums is not None else None
+        xi[g, :length] = fit_to_budget(spec.shape(n, w), n, total_budget, xi_min)
+    return torch.from_numpy(xi)
+
+
+@dataclass
+class PrefixPlan:
+    """Which tokens the graded pass backpropagates, and with which weights."""
+
+    xi: torch.Tensor  # [B, T] inclusion probability of each token, 0 on padding
+    keep: torch.Tensor  # [B, T] bool, tokens that enter the loss
+    weights: torch.Tensor  # [B, T] keep / xi, the unbiasing weights (0 where not kept)
+    cutoffs: torch.Tensor  # [B] long, positions >= cutoff are never needed by the graded pass
+    expected_tokens: torch.Tensor  # [] expected number of kept tokens, sum of xi
+
+
+def sample_plan(
+    strategy: str, xi_groups: torch.Tensor, mask: torch.Tensor, generator: torch.Generator
+) -> PrefixPlan:
+    """Draw the kept tokens from a law xi_groups [G, T] for completions mask [B, T].
+
+    Prefix strategies draw one U per completion (H = max{t < length : xi_t >= U}); S-GRPO
+    draws one U per token.
+    """
+    spec = STRATEGIES.get(strategy)
+    group_size = mask.shape[0] // xi_groups.shape[0]
+    real = mask.bool()
+    xi = xi_groups.repeat_interleave(group_size, dim=0).to(torch.float32) * real  # [B, T]
+    if spec.independent_tokens:
+        draws = torch.rand(mask.shape, generator=generator)  # [B, T]
+        keep = real & (draws < xi)
+        positions = torch.arange(1, mask.shape[1] + 1).expand_as(keep)
+        cutoffs = (positions * keep).amax(dim=1)
+    else:
+        draws = torch.rand(mask.shape[0], 1, generator=generator)  # [B, 1]
+        keep = real & (xi >= draws)  # a prefix, since xi is non-increasing
+        cutoffs = keep.sum(dim=1)
+    weights = torch.where(keep, 1.0 / xi, torch.zeros_like(xi))
+    return PrefixPlan(xi=xi, keep=keep, weights=weights, cutoffs=cutoffs, expected_tokens=xi.sum())
+
+
+def grad_norm_proxy(logp_token: torch.Tensor, sum_p2: torch.Tensor, hidden_norm: torch.Tensor) -> torch.Tensor:
+    """gamma [B, T]: the norm of the output head's gradient of log p(o_t).
+
+    d log p(o_t) / d W_head = (e_{o_t} - p_t) h_t^T, whose norm is
+    ||e_{o_t} - p_t|| * ||h_t|| = sqrt(1 - 2 p(o_t) + sum_v p_v^2) * ||h_t||.
+    """
+    check_same_shape(logp_token=logp_token, sum_p2=sum_p2, hidden_norm=hidden_norm)
+    sq = 1.0 - 2.0 * logp_token.exp() + sum_p2
+    return sq.clamp(min=0).sqrt() * hidden_norm
+
+
+def reward_uncertainty(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    mask: torch.Tensor,
+    success: torch.Tensor,
+    metric: str = "tv",
+    temperature: float = 1.0,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """u [T]: distance between the mean next-token distributions of successful and
+    unsuccessful completions of one group, at each position.
+
+    hidden [K, T, D] final hidden states, head_weight [V, D], mask [K, T], success [K] bool.
+    Distributions are softmax(h W^T / temperature), averaged over each class's completions
+    alive at t. Only [K, chunk_size, V] probabilities exist at a time, never [K, T, V].
+    Where one class has no completion alive, u carries the last defined value forward
+    (depth beyond the evidence: assume the uncertainty is unchanged); a group with an empty
+    class has no evidence at all and gets u = 1 everywhere (no preference between positions).
+    """
+    if metric not in UNCERTAINTY_METRICS:
+        raise unknown_name_error("uncertainty metric", metric, list(UNCERTAINTY_METRICS))
+    check_ndim("hidden", hidden, 3, "[K, T, D]")
+    if tuple(mask.shape) != tuple(hidden.shape[:2]) or tuple(success.shape) != (hidden.shape[0],):
+        raise ValueError(
+            f"hidden {list(hidden.shape)}, mask {list(mask.shape)} and success {list(success.shape)}"
+            " must be [K, T, D], [K, T] and [K]"
+        )
+    check_positive("temperature", temperature)
+    length = hidden.shape[1]
+    alive = mask.to(torch.float32)
+    classes = torch.stack([success, ~success]).to(torch.float32)  # [2, K]
+    u = torch.full((length,), float("nan"))
+    with torch.no_grad():
+        for start in range(0, length, chunk_size):
+            stop = min(start + chunk_size, length)
+            logits = hidden[:, start:stop].float() @ head_weight.float().T / temperature  # [K, C, V]
+            probs = logits.softmax(dim=-1)
+            members = classes[:, :, None] * alive[None, :, start:stop]  # [2, K, C]
+            counts = members.sum(dim=1)  # [2, C]
+            means = torch.einsum("jkc,kcv->jcv", members, probs) / counts.clamp(min=1)[..., None]
+            diff = means[0] - means[1]  # [C, V]
+            dist = 0.5 * diff.abs().sum(-1) if metric == "tv" else diff.square().sum(-1).sqrt()
+            u[start:stop] = torch.where((counts > 0).all(dim=0), dist, torch.nan)
+    return _carry_forward(u)
+
+
+def _carry_forward(values: torch.Tensor) -> torch.Tensor:
+    """Replace NaNs [T] by the last finite value before them (by 1 if there is none)."""
+    positions = torch.arange(len(values))
+    last_finite = torch.where(torch.isnan(values), -1, positions).cummax(dim=0).values  # [T]
+    return torch.where(last_finite >= 0, values[last_finite.clamp(min=0)], 1.0)

@@ -1,0 +1,33 @@
+"""The `deployrl` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deployrl import __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="deployrl",
+        description="RL post-training of language models against the engine you deploy.",
+    )
+    parser.add_argument("--version", action="version", version=f"deployrl {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="command", required=True)
+    commands.add_parser(
+        "selfcheck",
+        add_help=False,
+        help="variance of the prefix-sampled gradient per cutoff strategy on a random instance",
+    )
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "selfcheck":
+        from deployrl.selfcheck import main as selfcheck
+
+        return selfcheck(rest)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+import math
+
+import pytest
+import torch
+
+from deployrl.algo.discrepancy import (
+    DualController,
+    correction_weights,
+    discrepancy_summary,
+    shape_advantages,
+    token_discrepancy,
+    trajectory_discrepancy,
+)
+
+
+def test_signals_hand_values():
+    logp_old = torch.log(torch.tensor([[0.5, 0.2]]))
+    logp_inf = torch.log(torch.tensor([[0.4, 0.25]]))
+    mask = torch.tensor([[1, 1]])
+    torch.testing.assert_close(token_discrepancy(logp_old, logp_inf, mask, "diff"), torch.tensor([[0.1, 0.05]]))
+    torch.testing.assert_close(token_discrepancy(logp_old, logp_inf, mask, "ratio"), torch.tensor([[0.25, 0.2]]))
+    torch.testing.assert_close(
+        token_discrepancy(logp_old, logp_inf, mask, "log"),
+        torch.tensor([[math.log(1.25), math.log(1.25)]]),
+    )
+    assert token_discrepancy(logp_old, logp_inf, torch.tensor([[1, 0]]))[0, 1] == 0
+
+
+def test_trajectory_mean_and_shaping_against_loops(gen):
+    delta = torch.rand(3, 5, generator=gen) * 0.1
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
+    d = trajectory_discrepancy(delta, mask)
+    for i in range(3):
+        real = [delta[i, j].item() for j in range(5) if mask[i, j]]
+        assert d[i].item() == pytest.approx(sum(real) / len(real) if real else 0.0)
+    adv = torch.randn(3, 1, generator=gen).expand(3, 5) * mask
+    full = shape_advantages(adv, delta, mask, lam=2.0, penalty="full")
+    hinge = shape_advantages(adv, delta, mask, lam=2.0, penalty="hinge", tolerance=0.05)
+    for i in range(3):
+        for j in range(5):
+            if not mask[i, j]:
+                assert full[i, j] == 0 and hinge[i, j] == 0
+                continue
+            assert full[i, j].item() == pytest.approx(adv[i, j].item() - 2.0 * delta[i, j].item())
+            excess = max(0.0, delta[i, j].item() - 0.05)
+            assert hinge[i, j].item() == pytest.approx(adv[i, j].item() - 2.0 * excess)
+
+
+def test_dual_controller_rises_falls_to_zero_and_respects_max():
+    ctl = DualController(tolerance=0.01, lr=10.0, lam_max=0.5)
+    assert ctl.step(0.03) == pytest.approx(0.2)  # 10 * (0.03 - 0.01)
+    assert ctl.step(0.03) == pytest.approx(0.4)
+    assert ctl.step(0.05) == 0.5  # clipped at lam_max
+    assert ctl.step(0.02) == 0.5
+    assert ctl.step(0.0) == pytest.approx(0.4)  # inside the tolerance region: decays
+    lams = [ctl.step(0.005) for _ in range(20)]
+    assert lams[-1] == 0.0 and all(b <= a for a, b in zip(lams, lams[1:]))
+    assert lams.index(0.0) < 19 and all(lam == 0.0 for lam in lams[lams.index(0.0):])
+
+
+def test_dual_state_round_trip():
+    ctl = DualController(tolerance=0.01, lr=1.0, lam=0.3)
+    other = DualController(tolerance=0.01, lr=1.0)
+    other.load_state_dict(ctl.state_dict())
+    assert other.lam == 0.3 and other.step(0.02) == ctl.step(0.02)
+    with pytest.raises(ValueError, match="outside"):
+        other.load_state_dict({"lam": 500.0})
+    with pytest.raises(ValueError, match="exactly the key 'lam'"):
+        other.load_state_dict({"lambda": 0.1})
+
+
+def test_tis_and_mask_weights_against_loops(gen):
+    logp_old = -torch.rand(4, 6, generator=gen) * 2
+    logp_inf = logp_old + torch.randn(4, 6, generator=gen)
+    tis = correction_weights("tis", logp_old, logp_inf, cap=2.0)
+    band = correction_weights("mask", logp_old, logp_inf, cap=2.0)
+    for i in range(4):
+        for j in range(6):
+            ratio = math.exp(logp_old[i, j].item() - logp_inf[i, j].item())
+            assert tis[i, j].item() == pytest.approx(min(ratio, 2.0), rel=1e-6)
+            assert band[i, j].item() == float(0.5 <= ratio <= 2.0)
+    assert torch.equal(correction_weights("none", logp_old, logp_inf), torch.ones(4, 6))
+
+
+def test_summary_buckets_by_hand():
+    p_old = torch.tensor([[0.05, 0.3, 0.95, 0.6], [0.97, 0.08, 0.5, 0.5]])
+    delta = torch.tensor([[0.01, 0.02, 0.03, 0.04], [0.05, 0.06, 0.5, 0.5]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    s = discrepancy_summary(delta, mask, p_old.log(), tolerance=0.035, position_edges=(0, 2, math.inf))
+    assert s["mean_D"].item() == pytest.approx((0.025 + 0.055) / 2)
+    assert s["max_delta"].item() == pytest.approx(0.06)
+    assert s["frac_over_tolerance"].item() == pytest.approx(3 / 6)
+    assert s["delta_by_prob/0-0.1"].item() == pytest.approx((0.01 + 0.06) / 2)
+    assert s["delta_by_prob/0.1-0.5"].item() == pytest.approx(0.02)
+    assert s["delta_by_prob/0.5-0.9"].item() == pytest.approx(0.04)
+    assert s["delta_by_prob/0.9-0.99"].item() == pytest.approx((0.03 + 0.05) / 2)
+    assert math.isnan(s["delta_by_prob/0.99-1"].item())
+    assert s["delta_by_pos/0-2"].item() == pytest.approx((0.01 + 0.02 + 0.05 + 0.06) / 4)
+    assert s["delta_by_pos/2-inf"].item() == pytest.approx(0.035)
+
+
+def test_bad_arguments():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="unknown discrepancy signal 'dif'.*'diff'.*diff, log, ratio"):
+        token_discrepancy(x, x, x, "dif")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        token_discrepancy(x, torch.zeros(2, 4), x)
+    with pytest.raises(ValueError, match="tolerance must be >= 0"):
+        DualController(tolerance=-0.1, lr=1.0)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        DualController(tolerance=0.1, lr=0.0)
+    with pytest.raises(ValueError, match="finite"):
+        DualController(tolerance=0.1, lr=1.0).step(float("nan"))
+    with pytest.raises(ValueError, match="unknown discrepancy penalty 'hinged'"):
+        shape_advantages(x, x, x, 1.0, penalty="hinged")
+    with pytest.raises(ValueError, match="cap > 1"):
+        correction_weights("mask", x, x, cap=0.5)
+    with pytest.raises(ValueError, match="unknown importance correction 'tiss'"):
+        correction_weights("tiss", x, x)
