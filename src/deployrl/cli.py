@@ -21,12 +21,17 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
         help="variance of the prefix-sampled gradient per cutoff strategy on a random instance",
     )
+    commands.add_parser(
+        "mismatch",
+        add_help=False,
+        help="sample with a deployment engine, recompute with the trainer, report the discrepancy",
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "selfcheck":
-        from deployrl.selfcheck import main as selfcheck
-
-        return selfcheck(rest)
-    return 2
+        from deployrl.selfcheck import main as command
+    else:
+        from deployrl.mismatch import main as command
+    return command(rest)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,134 @@
+"""Token log-probabilities from final hidden states, in chunks: never a [B, T, V] tensor.
+
+The output head is applied to `chunk_tokens` real tokens at a time; with gradients, each chunk
+is recomputed in the backward pass (activation checkpointing), so the logits held at any
+moment are [chunk_tokens, V] whether or not autograd is on.
+
+Log-probability semantics must match the engine that sampled the tokens: ``raw`` is the model
+distribution softmax(z); ``processed`` is the distribution the engine sampled from,
+softmax(z / temperature) renormalised over the top-k / top-p support (top-p keeps the
+smallest set of most likely tokens whose mass reaches p, as in Holtzman et al. 2020 and the
+HF / llama.cpp samplers). A sampled token outside the trainer's processed support gets
+log-prob -inf: the caller decides what to do with it (`outside_support` counts them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from deployrl.algo._checks import check_positive
+
+
+@dataclass(frozen=True)
+class SamplingView:
+    """Which distribution a log-probability refers to: the model's logits processed by these."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_positive("temperature", self.temperature)
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def is_raw(self) -> bool:
+        return self.temperature == 1.0 and self.top_k == 0 and self.top_p == 1.0
+
+
+RAW = SamplingView()
+
+
+def processed_logits(logits: torch.Tensor, view: SamplingView) -> torch.Tensor:
+    """Logits [N, V] -> logits of the processed distribution, -inf outside its support."""
+    z = logits / view.temperature if view.temperature != 1.0 else logits
+    if view.top_k > 0 and view.top_k < z.shape[-1]:
+        kth = z.topk(view.top_k, dim=-1).values[..., -1:]  # [N, 1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if view.top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        probs = sorted_z.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop_sorted = mass_before >= view.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    return z
+
+
+@dataclass
+class TokenStats:
+    """Per-token results of one chunked pass, all [B, T] and zero on padding."""
+
+    logp: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
+    sum_p2: Optional[torch.Tensor] = None
+    hidden_norm: Optional[torch.Tensor] = None
+
+
+def _chunk_stats(
+    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, view: SamplingView, with_stats: bool
+) -> torch.Tensor:
+    """hidden [N, D], targets [N] -> [N, 1] (logp) or [N, 3] (logp, entropy, sum p^2)."""
+    logits = processed_logits((hidden @ head_weight.T).float(), view)  # [N, V]
+    logp_all = logits.log_softmax(dim=-1)
+    logp = logp_all.gather(-1, targets[:, None])  # [N, 1]
+    if not with_stats:
+        return logp
+    probs = logp_all.exp()
+    entropy = -(probs * logp_all.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)
+    return torch.cat([logp, entropy, probs.square().sum(-1, keepdim=True)], dim=-1)
+
+
+def chunked_token_stats(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    mask: torch.Tensor,
+    view: SamplingView = RAW,
+    chunk_tokens: int = 1024,
+    with_stats: bool = False,
+) -> TokenStats:
+    """log p(targets) under softmax(hidden @ head_weight^T), processed by `view`.
+
+    hidden [B, T, D] (the hidden state that predicts each target), head_weight [V, D],
+    targets [B, T] long, mask [B, T]. Only real tokens are computed, `chunk_tokens` at a time.
+    `with_stats` adds the PS-PPO proxies' inputs: entropy, sum_v p_v^2 and ||h|| (no grad).
+    """
+    if hidden.shape[:2] != targets.shape or targets.shape != mask.shape:
+        raise ValueError(
+            f"hidden {list(hidden.shape)}, targets {list(targets.shape)} and mask {list(mask.shape)}"
+            " must be [B, T, D], [B, T] and [B, T]"
+        )
+    check_positive("chunk_tokens", chunk_tokens)
+    real = mask.bool()
+    flat_hidden = hidden[real]  # [N, D]
+    flat_targets = targets[real]  # [N]
+    columns = 3 if with_stats else 1
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
+    pieces = []
+    for start in range(0, flat_hidden.shape[0], chunk_tokens):
+        h, t = flat_hidden[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens]
+        if needs_grad:
+            pieces.append(checkpoint(_chunk_stats, h, head_weight, t, view, with_stats, use_reentrant=False))
+        else:
+            pieces.append(_chunk_stats(h, head_weight, t, view, with_stats))
+    flat = torch.cat(pieces) if pieces else hidden.new_zeros(0, columns, dtype=torch.float32)
+
+    def scatter(column: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
+        return out.masked_scatter(real, column)
+
+    stats = TokenStats(logp=scatter(flat[:, 0]))
+    if with_stats:
+        detached = flat.detach()
+        stats.entropy = scatter(detached[:, 1])
+        stats.sum_p2 = scatter(detached[:, 2])
+        stats.hidden_norm = scatter(flat_hidden.detach().float().norm(dim=-1))
+    return stats

@@ -1,0 +1,67 @@
+"""Rollout engines, by name: `hf:<precision>` and `llamacpp:<file type>`.
+
+An engine spec is ``kind:option``; both parts are checked by `parse_engine_spec` before any
+model loads, and `make_engine` builds the engine from the trainer's model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, trainer_view
+from deployrl.engines.gguf_io import FILE_TYPES
+from deployrl.engines.hf import PRECISIONS
+from deployrl.models import ModelSource
+from deployrl.registry import Registry, unknown_name_error
+
+__all__ = ["ENGINES", "RolloutBatch", "RolloutEngine", "SamplingParams", "make_engine", "parse_engine_spec", "trainer_view"]
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    options: tuple[str, ...]
+    default: str
+    build: Callable[..., RolloutEngine]
+
+
+def _build_hf(option, model, source, eos_token_ids, context_length):
+    from deployrl.engines.hf import HFEngine
+
+    return HFEngine(model, option, eos_token_ids, context_length)
+
+
+def _build_llamacpp(option, model, source: ModelSource, eos_token_ids, context_length):
+    from deployrl.engines.llamacpp import LlamaCppEngine
+
+    if source.gguf_path is None:
+        raise ValueError(
+            "the llamacpp engine writes the trainer's weights into a GGUF shaped like the model's own"
+            " GGUF file (tokenizer, metadata): load the model from a .gguf file or the smollm2-135m alias"
+        )
+    return LlamaCppEngine(
+        model.state_dict(), model.config, source.gguf_path, option, eos_token_ids, n_ctx=context_length or 2048
+    )
+
+
+ENGINES: Registry[EngineKind] = Registry("engine")
+ENGINES.register("hf")(EngineKind(tuple(PRECISIONS), "bf16", _build_hf))
+ENGINES.register("llamacpp")(EngineKind(tuple(FILE_TYPES), "q4_1", _build_llamacpp))
+
+
+def parse_engine_spec(spec: str) -> tuple[str, str]:
+    """'llamacpp:q4_1' -> ('llamacpp', 'q4_1'); a bare kind takes its default option."""
+    kind_name, _, option = spec.partition(":")
+    kind = ENGINES.get(kind_name)
+    option = option or kind.default
+    if option not in kind.options:
+        raise unknown_name_error(f"{kind_name} engine option", option, list(kind.options))
+    return kind_name, option
+
+
+def make_engine(
+    spec: str, model, source: ModelSource, eos_token_ids: list[int], context_length: Optional[int] = None
+) -> RolloutEngine:
+    """Build the engine `spec` from the trainer's model (its own copy of the weights)."""
+    kind_name, option = parse_engine_spec(spec)
+    return ENGINES.get(kind_name).build(option, model, source, eos_token_ids, context_length)

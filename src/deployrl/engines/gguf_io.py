@@ -1,0 +1,128 @@
+"""Write a trainer's weights (HF names) into a GGUF file that llama.cpp loads.
+
+The GGUF file the model came from is the template: its metadata (tokenizer, chat template,
+general.*) and tensor list are kept, hyper-parameters are refreshed from the HF config (so a
+template can carry a new model of another size with the same tokenizer), and every tensor is
+re-encoded from the trainer's weights with `gguf`'s own quantisers:
+
+* 2-D weights take the requested type (f32, f16, bf16, q8_0, q4_0, q4_1);
+* the token embedding keeps the template's type when the request is a quantised type (as
+  llama.cpp's quantiser treats it), and takes the requested float type otherwise;
+* 1-D tensors (norms) stay f32.
+
+Llama's q/k projections are stored in GGUF with the rotary halves interleaved; transformers
+undoes that on load, so it is redone here (the permutation of llama.cpp's convert_hf_to_gguf).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deployrl.registry import unknown_name_error
+
+FILE_TYPES = {  # name -> (tensor type, general.file_type)
+    "f32": ("F32", "ALL_F32"),
+    "f16": ("F16", "MOSTLY_F16"),
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+    "q4_1": ("Q4_1", "MOSTLY_Q4_1"),
+}
+FLOAT_TYPES = {"f32", "f16", "bf16"}
+PERMUTED_ARCHS = {"llama"}
+
+
+def interleave_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """HF q/k weight [n_head * head_dim, D] -> GGUF order (rotary halves interleaved)."""
+    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _rope_theta(config) -> float | None:
+    params = getattr(config, "rope_parameters", None) or {}
+    return params.get("rope_theta", getattr(config, "rope_theta", None))
+
+
+def hyperparameters(config, arch: str) -> dict[str, float | int]:
+    """GGUF hyper-parameter keys of `arch`, from an HF config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    values = {
+        "block_count": config.num_hidden_layers,
+        "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size,
+        "feed_forward_length": config.intermediate_size,
+        "attention.head_count": config.num_attention_heads,
+        "attention.head_count_kv": config.num_key_value_heads,
+        "attention.layer_norm_rms_epsilon": config.rms_norm_eps,
+        "rope.dimension_count": head_dim,
+        "rope.freq_base": _rope_theta(config),
+        "vocab_size": config.vocab_size,
+    }
+    return {f"{arch}.{k}": v for k, v in values.items() if v is not None}
+
+
+def write_gguf(state_dict: dict[str, torch.Tensor], config, template: Path, out: Path, file_type: str) -> Path:
+    """Write `state_dict` (HF names) as a GGUF of `file_type` shaped like `template`; atomic."""
+    import gguf
+
+    if file_type not in FILE_TYPES:
+        raise unknown_name_error("GGUF file type", file_type, list(FILE_TYPES))
+    tensor_type = gguf.GGMLQuantizationType[FILE_TYPES[file_type][0]]
+    reader = gguf.GGUFReader(template)
+    arch = reader.fields["general.architecture"].contents()
+    arch_enum = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch)
+    if arch_enum is None:
+        raise ValueError(f"{template}: architecture {arch!r} is unknown to the gguf package")
+    names = gguf.get_tensor_name_map(arch_enum, config.num_hidden_layers)
+    by_gguf_name = {}
+    for hf_name, value in state_dict.items():
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is not None:
+            by_gguf_name[gguf_name] = (hf_name, value)
+
+    tmp = out.with_name(out.name + ".tmp")
+    writer = gguf.GGUFWriter(tmp, arch)
+    overrides = hyperparameters(config, arch)
+    overrides["general.file_type"] = int(gguf.LlamaFileType[FILE_TYPES[file_type][1]])
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        if key in overrides:
+            value = type(value)(overrides[key])
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+
+    n_head, n_head_kv = config.num_attention_heads, config.num_key_value_heads
+    template_blocks = sum(1 for t in reader.tensors if t.name.endswith("attn_q.weight"))
+    if config.num_hidden_layers > template_blocks:
+        raise ValueError(f"{template} has {template_blocks} blocks, fewer than the model's {config.num_hidden_layers}")
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk" and int(parts[1]) >= config.num_hidden_layers:
+            continue  # the template is deeper than the model
+        if tensor.name not in by_gguf_name:
+            raise ValueError(f"{template}: tensor {tensor.name} has no counterpart in the model's weights")
+        hf_name, value = by_gguf_name[tensor.name]
+        data = value.detach().to(torch.float32).cpu().numpy()
+        if arch in PERMUTED_ARCHS and tensor.name.endswith("attn_q.weight"):
+            data = interleave_rotary(data, n_head)
+        elif arch in PERMUTED_ARCHS and tensor.name.endswith("attn_k.weight"):
+            data = interleave_rotary(data, n_head_kv)
+        if data.ndim == 1:
+            qtype = gguf.GGMLQuantizationType.F32
+        elif tensor.name == "token_embd.weight" and file_type not in FLOAT_TYPES:
+            qtype = tensor.tensor_type
+        else:
+            qtype = tensor_type
+        encoded = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(tensor.name, encoded, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,192 @@
+"""`deployrl mismatch`: how far is the deployment engine from the trainer?
+
+Samples completions with an engine, recomputes their log-probabilities with the trainer's
+model in training precision (same distribution semantics as the engine reports), and reports
+the discrepancy: every delta signal's mean and max, the fraction of tokens over a threshold,
+delta by token probability and by position, and the engine's speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from deployrl.algo.discrepancy import SIGNALS, discrepancy_summary, token_discrepancy
+from deployrl.engines import make_engine, parse_engine_spec
+from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
+from deployrl.models import DTYPES, load_model, load_tokenizer, resolve_model, token_logprobs
+from deployrl.prompts import arithmetic_prompts, encode_prompts, load_prompts
+from deployrl.registry import unknown_name_error
+
+
+@dataclass(frozen=True)
+class MismatchConfig:
+    """What to compare. Every field is checked on construction, before any model loads."""
+
+    model: str = "smollm2-135m"  # model directory, GGUF file, hub id or alias
+    engine: str = "llamacpp:q4_1"  # engine spec kind:option
+    dtype: str = "fp32"  # the trainer's precision
+    prompts: Optional[str] = None  # .jsonl/.txt prompt file; None: built-in arithmetic questions
+    num_prompts: int = 8  # how many prompts (first ones of the file, or generated)
+    n: int = 4  # completions per prompt
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    threshold: float = 0.01  # report the fraction of tokens with |p_old - p_inf| above this
+    chunk_tokens: int = 1024  # tokens per chunk of the trainer's output head
+    json: Optional[str] = None  # also write the report here
+
+    def __post_init__(self) -> None:
+        parse_engine_spec(self.engine)
+        if self.dtype not in DTYPES:
+            raise unknown_name_error("training dtype", self.dtype, list(DTYPES))
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        if not self.threshold >= 0:
+            raise ValueError(f"threshold must be >= 0, got {self.threshold}")
+        self.sampling  # validates n, temperature, top_p, top_k, max_new_tokens
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens, seed=self.seed,
+        )
+
+
+def discrepancy_report(
+    logp_old: torch.Tensor, batch: RolloutBatch, threshold: float
+) -> dict[str, object]:
+    """Every delta signal's token mean and max, plus the `diff` signal's summary."""
+    mask = batch.mask
+    outside = mask & torch.isinf(logp_old)
+    if outside.any():
+        warnings.warn(
+            f"{int(outside.sum())} sampled tokens lie outside the trainer's top-k/top-p support:"
+            " the engine and the trainer keep different supports, so their delta is partly an artefact"
+        )
+    report: dict[str, object] = {"outside_support": int(outside.sum())}
+    safe_old = torch.where(outside, torch.full_like(logp_old, -1e4), logp_old)
+    for signal in SIGNALS.names():
+        delta = token_discrepancy(safe_old, batch.logp_inf, mask, signal)
+        report[signal] = {"mean": float(delta[mask].mean()), "max": float(delta[mask].max())}
+    delta = token_discrepancy(safe_old, batch.logp_inf, mask, "diff")
+    summary = discrepancy_summary(delta, mask, safe_old, threshold)
+    report["mean_D"] = float(summary.pop("mean_D"))
+    report["frac_over_threshold"] = float(summary.pop("frac_over_tolerance"))
+    summary.pop("max_delta")
+    report["delta_by_prob"] = {k.split("/")[1]: _finite(v) for k, v in summary.items() if k.startswith("delta_by_prob")}
+    report["delta_by_pos"] = {k.split("/")[1]: _finite(v) for k, v in summary.items() if k.startswith("delta_by_pos")}
+    return report
+
+
+def _finite(value: torch.Tensor) -> Optional[float]:
+    number = float(value)
+    return None if math.isnan(number) else number
+
+
+def run(config: MismatchConfig) -> dict[str, object]:
+    prompts = load_prompts(Path(config.prompts)) if config.prompts else arithmetic_prompts(config.num_prompts, config.seed)
+    prompts = prompts[: config.num_prompts]
+    source = resolve_model(config.model)
+    tokenizer = load_tokenizer(source)
+    model = load_model(source, config.dtype).eval()
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    start = time.perf_counter()
+    engine = make_engine(config.engine, model, source, eos)
+    build_s = time.perf_counter() - start
+    params = config.sampling
+    batch = engine.generate(prompt_ids, params)
+    start = time.perf_counter()
+    with torch.no_grad():
+        stats = token_logprobs(
+            model, batch.prompt_ids, batch.completion_ids, batch.mask, trainer_view(batch.semantics, params),
+            config.chunk_tokens,
+        )
+    recompute_s = time.perf_counter() - start
+    report = {
+        "config": asdict(config),
+        "semantics": batch.semantics,
+        "completions": len(batch.finish_reasons),
+        "tokens": int(batch.mask.sum()),
+        "stopped": sum(r == "stop" for r in batch.finish_reasons),
+        "engine_build_s": build_s,
+        "engine_tokens_per_s": batch.timing["tokens_per_s"],
+        "trainer_recompute_s": recompute_s,
+    }
+    report.update(discrepancy_report(stats.logp, batch, config.threshold))
+    return report
+
+
+def format_report(report: dict[str, object]) -> str:
+    cfg = report["config"]
+    lines = [
+        f"model {cfg['model']} ({cfg['dtype']} trainer) vs engine {cfg['engine']}, "
+        f"{report['semantics']} log-probs",
+        f"{report['completions']} completions, {report['tokens']} tokens "
+        f"({report['stopped']} stopped, the rest hit max_new_tokens={cfg['max_new_tokens']}), "
+        f"temperature {cfg['temperature']:g}, top-p {cfg['top_p']:g}, top-k {cfg['top_k']}",
+        "",
+        f"{'signal':<8} {'mean':>10} {'max':>10}",
+    ]
+    for signal in SIGNALS.names():
+        lines.append(f"{signal:<8} {report[signal]['mean']:>10.6f} {report[signal]['max']:>10.6f}")
+    lines += [
+        "",
+        f"mean trajectory discrepancy D (diff): {report['mean_D']:.6f}",
+        f"tokens with |p_old - p_inf| > {cfg['threshold']:g}: {100 * report['frac_over_threshold']:.2f}%",
+        "mean |p_old - p_inf| by trainer probability: "
+        + ", ".join(f"{k}: {_fmt(v)}" for k, v in report["delta_by_prob"].items()),
+        "mean |p_old - p_inf| by position: " + ", ".join(f"{k}: {_fmt(v)}" for k, v in report["delta_by_pos"].items()),
+        "",
+        f"engine: built in {report['engine_build_s']:.1f} s, {report['engine_tokens_per_s']:.1f} tokens/s; "
+        f"trainer recompute {report['trainer_recompute_s']:.1f} s",
+    ]
+    if report["outside_support"]:
+        lines.append(f"warning: {report['outside_support']} tokens outside the trainer's sampling support")
+    return "\n".join(lines)
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.5f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = MismatchConfig()
+    parser = argparse.ArgumentParser(
+        prog="deployrl mismatch",
+        description="Sample with a deployment engine, recompute with the trainer, report the discrepancy.",
+    )
+    parser.add_argument("--model", default=defaults.model, help="model directory, .gguf file, hub id, or smollm2-135m")
+    parser.add_argument("--engine", default=defaults.engine, help="engine spec: hf:{fp32,bf16,fp16,fp8} or llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}")
+    parser.add_argument("--dtype", default=defaults.dtype, help="trainer precision: fp32, bf16 or fp16")
+    parser.add_argument("--prompts", default=None, help=".jsonl (prompt or messages per line) or .txt file; default: built-in arithmetic questions")
+    parser.add_argument("--num-prompts", type=int, default=defaults.num_prompts)
+    parser.add_argument("-n", type=int, default=defaults.n, help="completions per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=defaults.temperature)
+    parser.add_argument("--top-p", type=float, default=defaults.top_p)
+    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="0 = off")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--threshold", type=float, default=defaults.threshold, help="report the share of tokens with |p_old - p_inf| above this")
+    parser.add_argument("--json", default=None, help="also write the report as JSON to this path")
+    args = parser.parse_args(argv)
+    config = MismatchConfig(**{k: v for k, v in vars(args).items()})
+    torch.manual_seed(config.seed)
+    report = run(config)
+    print(format_report(report))
+    if config.json:
+        Path(config.json).write_text(json.dumps(report, indent=2))
+    return 0

