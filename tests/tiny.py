@@ -23,14 +23,16 @@ def char_tokenizer():
     )
 
 
-def tiny_model(arch: str = "llama", vocab_size: int | None = None, seed: int = 0, init_std: float = 0.3):
+def tiny_model(
+    arch: str = "llama", vocab_size: int | None = None, seed: int = 0, init_std: float = 0.3, hidden_size: int = 32
+):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     config = config_cls(
         vocab_size=vocab_size or len(SPECIAL) + len(CHARS),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -1,0 +1,123 @@
+import pytest
+import torch
+
+from deployrl.algo.discrepancy import token_discrepancy
+from deployrl.engines import make_engine, parse_engine_spec
+from deployrl.engines.base import SamplingParams, trainer_view
+from deployrl.engines.hf import HFEngine, quantize_fp8
+from deployrl.models import ModelSource, token_logprobs
+
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 20, 21, 22]]
+EOS = [2]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from tiny import tiny_model
+
+    return tiny_model(init_std=0.3)
+
+
+def mean_delta(model, batch, params):
+    with torch.no_grad():
+        logp_old = token_logprobs(model, batch.prompt_ids, batch.completion_ids, batch.mask,
+                                  trainer_view(batch.semantics, params)).logp
+    return token_discrepancy(logp_old, batch.logp_inf, batch.mask)[batch.mask].mean().item(), logp_old
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=3, max_new_tokens=12, seed=1),
+    SamplingParams(n=3, max_new_tokens=12, seed=2, temperature=0.7, top_k=10, top_p=0.9),
+])
+def test_fp32_engine_matches_the_trainer(model, params):
+    batch = HFEngine(model, "fp32", EOS).generate(PROMPTS, params)
+    assert batch.completion_ids.shape[0] == 9 and batch.group_size == 3
+    assert batch.prompt_ids[3] == PROMPTS[1]  # group-major rows
+    _, logp_old = mean_delta(model, batch, params)
+    torch.testing.assert_close(batch.logp_inf[batch.mask], logp_old[batch.mask], atol=1e-5, rtol=0)
+
+
+def test_raw_semantics_is_recomputed_as_raw(model):
+    params = SamplingParams(n=2, max_new_tokens=8, temperature=0.5, top_k=5)
+    engine = HFEngine(model, "fp32", EOS)
+    engine.semantics = "raw"
+    batch = engine.generate(PROMPTS, params)
+    _, logp_old = mean_delta(model, batch, params)
+    torch.testing.assert_close(batch.logp_inf[batch.mask], logp_old[batch.mask], atol=1e-5, rtol=0)
+
+
+def test_precisions_give_ordered_discrepancy(model):
+    params = SamplingParams(n=4, max_new_tokens=16, seed=3)
+    deltas = {p: mean_delta(model, HFEngine(model, p, EOS).generate(PROMPTS, params), params)[0]
+              for p in ("fp32", "bf16", "fp16", "fp8")}
+    assert deltas["fp32"] < 1e-5
+    assert 10 * deltas["fp32"] < deltas["fp16"] < deltas["bf16"]
+    assert deltas["bf16"] < deltas["fp8"] < 30 * deltas["bf16"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_sync_follows_the_trainer(model, precision):
+    import copy
+
+    trainer = copy.deepcopy(model)
+    engine = HFEngine(trainer, precision, EOS)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    engine.sync(trainer.state_dict())
+    params = SamplingParams(n=4, max_new_tokens=16, seed=4)
+    batch = engine.generate(PROMPTS, params)
+    to_new, _ = mean_delta(trainer, batch, params)
+    to_old, _ = mean_delta(model, batch, params)
+    assert to_new < to_old / 3, (to_new, to_old)
+
+
+def test_fp8_weights_are_float8_with_channel_scales(model):
+    engine = HFEngine(model, "fp8", EOS)
+    layer = engine.model.model.layers[0].self_attn.q_proj
+    assert layer.weight_fp8.dtype == torch.float8_e4m3fn and layer.scale.shape == (layer.out_features,)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    dequantised = layer.weight_fp8.float() * layer.scale[:, None]
+    assert (dequantised - weight).abs().max() < 0.07 * weight.abs().max()
+    q, s = quantize_fp8(torch.tensor([[448.0, -224.0, 1.0]]))
+    assert s.item() == 1.0 and q.float().tolist() == [[448.0, -224.0, 1.0]]
+
+
+def test_sampling_honours_seeds_lengths_and_stops(model):
+    engine = HFEngine(model, "fp32", EOS)
+    params = SamplingParams(n=3, max_new_tokens=7, seed=11)
+    first, again = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    other = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=7, seed=12))
+    assert not torch.equal(first.completion_ids, other.completion_ids)
+    # Stop on the most frequent sampled token: every row ends at its first stop token.
+    stop = int(first.completion_ids[first.mask].mode().values)
+    stopped = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=7, seed=11, stop_token_ids=(stop,)))
+    for batch, stops in ((first, set(EOS)), (stopped, {stop, *EOS})):
+        for row, reason in zip(batch.completions(), batch.finish_reasons):
+            assert all(token not in stops for token in row[:-1])
+            if row[-1] in stops:
+                assert reason == "stop"
+            else:
+                assert len(row) == 7 and reason == "length"
+    assert sum(r == "stop" for r in stopped.finish_reasons) > sum(r == "stop" for r in first.finish_reasons)
+
+
+def test_bad_input_fails_before_generation(model):
+    with pytest.raises(ValueError, match="unknown engine 'lamacpp'.*'llamacpp'"):
+        parse_engine_spec("lamacpp:q4_1")
+    with pytest.raises(ValueError, match="unknown llamacpp engine option 'q5_k'.*q4_0, q4_1"):
+        parse_engine_spec("llamacpp:q5_k")
+    with pytest.raises(ValueError, match="unknown hf engine option 'int4'"):
+        parse_engine_spec("hf:int4")
+    assert parse_engine_spec("hf") == ("hf", "bf16")
+    engine = HFEngine(model, "fp32", EOS)
+    with pytest.raises(ValueError, match="prompt 1 has 250 tokens; with max_new_tokens=16 it exceeds the engine's context of 256"):
+        engine.generate([[1, 2], [1] * 250], SamplingParams(max_new_tokens=16))
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="needs a GGUF|load the model from a .gguf"):
+        make_engine("llamacpp:q4_1", model, ModelSource("somewhere"), EOS)

@@ -1,0 +1,102 @@
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from deployrl.algo.logprobs import SamplingView, processed_logits
+from deployrl.models import load_model, load_tokenizer, resolve_model, token_logprobs
+
+
+def naive_logprobs(model, prompts, completions, mask, view):
+    """Full-logits reference: one sequence at a time, [T, V] logits held whole."""
+    out = torch.zeros(mask.shape)
+    for b, prompt in enumerate(prompts):
+        n = int(mask[b].sum())
+        ids = torch.tensor([prompt + completions[b, :n].tolist()])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n]
+        logp = processed_logits(logits, view).log_softmax(-1)
+        out[b, :n] = logp.gather(-1, completions[b, :n, None])[:, 0]
+    return out
+
+
+def test_local_directory_and_errors(tiny_dir, tmp_path):
+    source = resolve_model(str(tiny_dir))
+    assert source.gguf_file is None and load_model(source).config.num_hidden_layers == 2
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="without config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        resolve_model("./no/such/model")
+    with pytest.raises(ValueError, match="unknown training dtype 'fp64'"):
+        load_model(source, dtype="fp64")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("view", [SamplingView(), SamplingView(0.7, 8, 0.9)])
+def test_chunked_logprobs_equal_full_logits(arch, view, gen):
+    from tiny import tiny_model
+
+    model = tiny_model(arch)
+    prompts = [[1, 5, 6, 7], [1, 9], [1, 3, 3, 3, 3, 4]]
+    completions = torch.randint(3, 40, (3, 9), generator=gen)
+    mask = torch.arange(9)[None] < torch.tensor([9, 4, 1])[:, None]
+    with torch.no_grad():
+        reference = naive_logprobs(model, prompts, completions, mask, view)
+        finite = torch.isfinite(reference)
+        for chunk in (1, 5, 1024):
+            got = token_logprobs(model, prompts, completions, mask, view, chunk_tokens=chunk).logp
+            assert torch.equal(torch.isfinite(got), finite)
+            torch.testing.assert_close(got[finite], reference[finite], atol=1e-5, rtol=1e-5)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tiny_dir, gen):
+    prompts = [[1, 5, 6], [1, 7]]
+    completions = torch.randint(3, 40, (2, 6), generator=gen)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    grads = []
+    for checkpointing in (False, True):
+        model = load_model(resolve_model(str(tiny_dir)), activation_checkpointing=checkpointing).train()
+        token_logprobs(model, prompts, completions, mask, chunk_tokens=4).logp.sum().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+PEAK_SCRIPT = textwrap.dedent(
+    """
+    import json, resource, sys, torch
+    from deployrl.algo.logprobs import chunked_token_stats
+    torch.set_num_threads(1)
+    b, t, d, v, grad = int(sys.argv[1]), int(sys.argv[2]), 64, int(sys.argv[3]), sys.argv[4] == "1"
+    hidden = torch.randn(b, t, d, requires_grad=grad)
+    head = torch.randn(v, d, requires_grad=grad)
+    targets = torch.randint(0, v, (b, t))
+    mask = torch.ones(b, t, dtype=torch.bool)
+    chunked_token_stats(hidden[:, :4], head, targets[:, :4], mask[:, :4], chunk_tokens=4)  # warm up
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    stats = chunked_token_stats(hidden, head, targets, mask, chunk_tokens=256, with_stats=not grad)
+    if grad:
+        stats.logp.sum().backward()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mb": (after - before) / 1024, "logits_mb": b * t * v * 4 / 2**20}))
+    """
+)
+
+
+def peak_extra_memory(b, t, v, grad):
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(b), str(t), str(v), str(int(grad))],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_chunked_pass_memory_stays_bounded(grad):
+    small = peak_extra_memory(2, 1024, 16384, grad)
+    large = peak_extra_memory(2, 4096, 32768, grad)  # 8x vocabulary x length
+    assert large["logits_mb"] == 8 * small["logits_mb"] == 1024
+    # The full logits would be 1 GiB; the chunked pass holds a few [256, V] chunks at a time.
+    assert large["peak_mb"] < 0.2 * large["logits_mb"], large
+    assert large["peak_mb"] < 2.5 * small["peak_mb"] + 40, (small, large)
