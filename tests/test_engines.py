@@ -121,3 +121,15 @@ def test_bad_input_fails_before_generation(model):
         SamplingParams(max_new_tokens=0)
     with pytest.raises(ValueError, match="needs a GGUF|load the model from a .gguf"):
         make_engine("llamacpp:q4_1", model, ModelSource("somewhere"), EOS)
+
+
+def test_fp8_scaled_mm_path_agrees_with_dequantised_path(gen):
+    from deployrl.engines.hf import FP8Linear
+
+    linear = torch.nn.Linear(64, 48, bias=True)
+    x = torch.randn(5, 7, 64, generator=gen)
+    w8a16 = FP8Linear(linear, scaled_mm=False)(x).float()
+    w8a8 = FP8Linear(linear, scaled_mm=True)(x).float()  # torch's CPU _scaled_mm stands in for a GPU
+    reference = linear(x).detach()
+    assert (w8a8 - w8a16).abs().max() < 0.1 * reference.abs().max()
+    assert (w8a16 - reference).abs().max() < 0.05 * reference.abs().max()
