@@ -51,3 +51,19 @@ def save_tiny(directory: Path, arch: str = "llama") -> Path:
     tiny_model(arch).save_pretrained(directory)
     char_tokenizer().save_pretrained(directory)
     return directory
+
+
+def starts_with_digit(completion: str, reference) -> float:
+    """The toy task's reward: 1 if the completion starts with a digit."""
+    return float(completion[:1].isdigit())
+
+
+def toy_task_file(directory: Path, count: int = 16) -> Path:
+    """A JSONL task whose prompts are digits; the toy reward is `tiny:starts_with_digit`."""
+    import json
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    path = Path(directory) / "digits.jsonl"
+    lines = [json.dumps({"prompt": f"{i % 10}=", "answer": str(i % 10)}) for i in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return path

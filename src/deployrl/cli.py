@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"deployrl {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="command", required=True)
+    commands.add_parser("train", add_help=False, help="RL post-training (no arguments: the embedded default)")
+    commands.add_parser("eval", add_help=False, help="score a model on a task or benchmark in a deployment engine")
     commands.add_parser(
         "selfcheck",
         add_help=False,
@@ -27,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
         help="sample with a deployment engine, recompute with the trainer, report the discrepancy",
     )
     args, rest = parser.parse_known_args(argv)
-    if args.command == "selfcheck":
+    if args.command == "train":
+        from deployrl.train_cli import main as command
+    elif args.command == "eval":
+        from deployrl.evaluate import main as command
+    elif args.command == "selfcheck":
         from deployrl.selfcheck import main as command
     else:
         from deployrl.mismatch import main as command

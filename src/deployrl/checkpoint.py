@@ -1,0 +1,614 @@
+"""Checkpoints that resume a run exactly, and the export of a trained model.
+
+A checkpoint is a directory ``run_dir/checkpoints/step_{step:08d}/``::
+
+    model/                   save_pretrained (safetensors) + tokenizer: from_pretrained loads it
+    optimizer.safetensors    tensors of optimizer.state_dict(), keys "state.{param_index}.{name}"
+    optimizer.json           the rest of it (param_groups, python-number state), tensors by key
+    scheduler.json           scheduler.state_dict() without its functions
+    rng.safetensors          torch CPU (and CUDA) RNG states, the caller's torch.Generator states
+    rng.json                 python `random` and numpy's legacy global state
+    trainer_state.json       the caller's dict (step, data position, dual state, ...)
+    manifest.json            written last: every other file with its size and sha256
+
+Nothing is pickled: tensors go to safetensors, everything else to JSON with a few tags that keep
+tuples, non-string dict keys, non-finite floats and numpy arrays exact, so a round trip gives
+back an identical ``state_dict()``.
+
+A checkpoint is built in a temporary directory next to the final one (``.tmp-step_...``), every
+file is fsync'ed, then the directory is renamed into place. ``manifest.json`` is the completeness
+marker: a directory without it (a crash during the save) is ignored by `latest_checkpoint` and
+refused by `load_checkpoint`, and a file whose size or sha256 differs from the manifest is
+refused with an error naming it. One process writes a run directory at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+MODEL_DIR = "model"
+FORMAT = "deployrl-checkpoint"
+VERSION = 1
+STEP_DIR = re.compile(r"^step_(\d+)$")
+PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the objects it is loaded into."""
+
+
+# ----------------------------------------------------------------------------- JSON + tensors
+
+
+def _to_cpu_tensor(value: torch.Tensor, seen_storages: set[int]) -> torch.Tensor:
+    """A contiguous CPU tensor that owns its storage (safetensors refuses shared memory)."""
+    t = value.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    storage = t.untyped_storage()
+    if (
+        not t.is_contiguous()
+        or storage.nbytes() != t.numel() * t.element_size()
+        or storage.data_ptr() in seen_storages
+    ):
+        t = t.clone(memory_format=torch.contiguous_format)
+    if t.numel():
+        seen_storages.add(t.untyped_storage().data_ptr())
+    return t
+
+
+class _Encoder:
+    """Turns a state object into JSON data, moving its tensors to a flat {key: tensor} dict."""
+
+    def __init__(self, what: str, drop_callables: bool = False) -> None:
+        self.what = what
+        self.drop_callables = drop_callables
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._by_id: dict[int, str] = {}
+        self._storages: set[int] = set()
+
+    def encode(self, obj: Any, path: tuple[str, ...] = ()) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return {"__tensor__": self._tensor_key(obj, path)}
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, np.generic):
+            return self.encode(obj.item(), path)
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            return float(obj) if math.isfinite(obj) else {"__float__": repr(float(obj))}
+        if isinstance(obj, tuple):
+            return {"__tuple__": [self.encode(v, path + (str(i),)) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [self.encode(v, path + (str(i),)) for i, v in enumerate(obj)]
+        if isinstance(obj, np.ndarray):
+            if obj.dtype == object:
+                raise TypeError(f"{self._where(path)}: numpy object arrays cannot be stored in a checkpoint")
+            return {"__ndarray__": self.encode(obj.tolist(), path), "dtype": obj.dtype.str}
+        if isinstance(obj, Mapping):
+            items = [(k, v) for k, v in obj.items() if not (self.drop_callables and callable(v))]
+            if all(isinstance(k, str) and not k.startswith("__") for k, _ in items):
+                return {k: self.encode(v, path + (k,)) for k, v in items}
+            return {"__dict__": [[self.encode(k, path), self.encode(v, path + (str(k),))] for k, v in items]}
+        if self.drop_callables and callable(obj):
+            return None
+        raise TypeError(
+            f"{self._where(path)}: a {type(obj).__name__} cannot be stored in a checkpoint"
+            " (only tensors, numbers, strings, None, lists, tuples, dicts and numpy arrays)"
+        )
+
+    def _where(self, path: tuple[str, ...]) -> str:
+        return self.what + "".join(f"[{p!r}]" for p in path)
+
+    def _tensor_key(self, tensor: torch.Tensor, path: tuple[str, ...]) -> str:
+        if id(tensor) in self._by_id:  # the same tensor twice: stored once
+            return self._by_id[id(tensor)]
+        base = ".".join(path) or "tensor"
+        key, n = base, 1
+        while key in self.tensors:
+            key, n = f"{base}#{n}", n + 1
+        self.tensors[key] = _to_cpu_tensor(tensor, self._storages)
+        self._by_id[id(tensor)] = key
+        return key
+
+
+def _decode(data: Any, tensors: Mapping[str, torch.Tensor], file: Path) -> Any:
+    if isinstance(data, list):
+        return [_decode(v, tensors, file) for v in data]
+    if not isinstance(data, dict):
+        return data
+    if "__tensor__" in data:
+        key = data["__tensor__"]
+        if key not in tensors:
+            raise CheckpointError(f"{file} refers to tensor {key!r}, which its .safetensors file does not hold")
+        return tensors[key]
+    if "__tuple__" in data:
+        return tuple(_decode(v, tensors, file) for v in data["__tuple__"])
+    if "__float__" in data:
+        return float(data["__float__"])
+    if "__ndarray__" in data:
+        return np.array(_decode(data["__ndarray__"], tensors, file), dtype=np.dtype(data["dtype"]))
+    if "__dict__" in data:
+        return {_decode(k, tensors, file): _decode(v, tensors, file) for k, v in data["__dict__"]}
+    return {k: _decode(v, tensors, file) for k, v in data.items()}
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms without directory file descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint file {path} is corrupt (not valid JSON: {err})") from None
+
+
+def _save_state(directory: Path, name: str, obj: Any, drop_callables: bool = False) -> None:
+    """`obj` as name.json, plus name.safetensors when it holds tensors."""
+    from safetensors.torch import save_file
+
+    encoder = _Encoder(name, drop_callables)
+    data = encoder.encode(obj)
+    tensor_file = None
+    if encoder.tensors:
+        tensor_file = f"{name}.safetensors"
+        save_file(encoder.tensors, directory / tensor_file, metadata={"format": "pt"})
+        _fsync_file(directory / tensor_file)
+    _write_json(directory / f"{name}.json", {"version": VERSION, "tensor_file": tensor_file, "data": data})
+
+
+def _load_state(directory: Path, name: str) -> Any:
+    from safetensors.torch import load_file
+
+    path = directory / f"{name}.json"
+    meta = _read_json(path)
+    if not isinstance(meta, dict) or "data" not in meta:
+        raise CheckpointError(f"checkpoint file {path} is corrupt (no 'data' entry)")
+    tensors: dict[str, torch.Tensor] = {}
+    if meta.get("tensor_file"):
+        tensor_path = directory / meta["tensor_file"]
+        if not tensor_path.is_file():
+            raise CheckpointError(f"checkpoint file {tensor_path} is missing")
+        try:
+            tensors = load_file(tensor_path, device="cpu")
+        except Exception as err:  # safetensors raises its own error types
+            raise CheckpointError(f"checkpoint file {tensor_path} is corrupt: {err}") from None
+    return _decode(meta["data"], tensors, path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file())
+
+
+def _write_manifest(directory: Path, step: int) -> None:
+    files = {}
+    for path in _files(directory):
+        rel = path.relative_to(directory).as_posix()
+        if rel != MANIFEST:
+            files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": files,
+    }
+    _write_json(directory / MANIFEST, manifest)
+
+
+def verify_checkpoint(path: Path, deep: bool = True) -> dict:
+    """The manifest of the complete checkpoint at `path`; raises CheckpointError otherwise.
+
+    Every file listed must exist with its recorded size and (when `deep`) its sha256.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        hint = ""
+        if (path / CHECKPOINTS).is_dir():
+            hint = "; this looks like a run directory: latest_checkpoint(run_dir) finds its newest checkpoint"
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: {manifest_path} is missing (the save was interrupted?){hint}"
+        )
+    manifest = _read_json(manifest_path)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"checkpoint file {manifest_path} is corrupt (not a {FORMAT} manifest)")
+    if manifest.get("version", 0) > VERSION:
+        raise CheckpointError(
+            f"{manifest_path}: checkpoint format version {manifest['version']} is newer than this deployrl"
+            f" reads ({VERSION}); upgrade deployrl"
+        )
+    for rel, info in manifest["files"].items():
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts or not isinstance(info, dict) or not {"size", "sha256"} <= set(info):
+            raise CheckpointError(f"checkpoint file {manifest_path} is corrupt (bad entry {rel!r})")
+        file = path / rel
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: file {file} is missing")
+        size = file.stat().st_size
+        if size != info["size"]:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: file {file} has {size} bytes, the manifest says {info['size']}"
+                " (truncated or modified)"
+            )
+        if deep and _sha256(file) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: file {file} does not match its sha256 in the manifest")
+    return manifest
+
+
+# ----------------------------------------------------------------------------- RNG and models
+
+
+def _rng_state(generators: Optional[Mapping[str, torch.Generator]]) -> dict:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=True),
+        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_generators(state: dict, generators: Optional[Mapping[str, torch.Generator]], file: Path) -> None:
+    saved = state.get("generators", {})
+    for name, generator in (generators or {}).items():
+        generator.set_state(saved[name])
+
+
+def _restore_global_rng(state: dict, file: Path) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    cuda = state.get("cuda")
+    if cuda and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            warnings.warn(
+                f"{file}: saved with {len(cuda)} CUDA devices, {torch.cuda.device_count()} visible now;"
+                " CUDA RNG states not restored",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+def _unwrap(model):
+    """The module itself under DistributedDataParallel / DataParallel / torch.compile wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, torch.nn.Module) and hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def _key_mismatch(model, weights: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Model keys missing from `weights` (tied aliases of loaded keys excepted), and extra keys."""
+    own = model.state_dict()
+    # Tied weights (lm_head = embed_tokens) are saved once: a missing key may alias a loaded one.
+    loaded_ptrs = {own[k].data_ptr() for k in own if k in weights}
+    missing = [k for k in own if k not in weights and own[k].data_ptr() not in loaded_ptrs]
+    return missing, sorted(k for k in weights if k not in own)
+
+
+def _fill_weights(model, weights: Mapping[str, torch.Tensor], source: Path) -> None:
+    """Copy `weights` into `model` in place (parameters stay the same objects)."""
+    missing, unexpected = _key_mismatch(model, weights)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"the weights in {source} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    own = model.state_dict()
+    for key, value in weights.items():
+        if own[key].shape != value.shape:
+            raise CheckpointError(
+                f"the weights in {source} do not fit the model: {key} has shape {tuple(value.shape)},"
+                f" the model's is {tuple(own[key].shape)}"
+            )
+    with torch.no_grad():
+        for key, value in weights.items():
+            own[key].copy_(value)
+
+
+def _load_weights(model, model_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"checkpoint model directory {model_dir} holds no .safetensors file")
+    target = _unwrap(model)
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            weights.update(load_file(file, device="cpu"))
+        except Exception as err:
+            raise CheckpointError(f"checkpoint file {file} is corrupt: {err}") from None
+    if any(_key_mismatch(target, weights)) and hasattr(type(target), "from_pretrained"):
+        # transformers stores some architectures under other names than their modules use
+        # (its weight conversions); its own loader maps them back.
+        dtype = next(target.parameters()).dtype
+        weights = type(target).from_pretrained(model_dir, dtype=dtype).state_dict()
+    _fill_weights(target, weights, model_dir)
+
+
+def _save_model(model, tokenizer, directory: Path) -> None:
+    target = _unwrap(model)
+    if not hasattr(target, "save_pretrained"):
+        raise TypeError(f"{type(target).__name__} has no save_pretrained: checkpoints hold transformers models")
+    target.save_pretrained(directory)  # transformers 5 always writes safetensors
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    pickled = [p.name for p in directory.rglob("*") if p.suffix in PICKLE_SUFFIXES]
+    if pickled:
+        raise RuntimeError(f"save_pretrained wrote pickle files {pickled}; deployrl checkpoints hold none")
+
+
+def _sync_tree(directory: Path) -> None:
+    for path in _files(directory):
+        _fsync_file(path)
+    for sub in sorted({p.parent for p in _files(directory)} | {directory}, key=lambda p: -len(p.parts)):
+        _fsync_dir(sub)
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final` (replacing an existing `final`) and make the rename durable."""
+    trash = None
+    if final.exists():
+        trash = final.with_name(f".trash-{final.name}-{os.getpid()}-{time.monotonic_ns()}")
+        os.replace(final, trash)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def checkpoint_step(path: Path) -> Optional[int]:
+    """The step of a `step_XXXXXXXX` directory name, None for any other name."""
+    match = STEP_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(run_dir: Path, deep: bool = False) -> list[Path]:
+    """Complete checkpoints of `run_dir`, oldest step first; incomplete ones are left out."""
+    directory = Path(run_dir) / CHECKPOINTS
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        step = checkpoint_step(path)
+        if step is None or not path.is_dir():
+            continue  # .tmp-* (an interrupted save), .trash-* and anything else
+        try:
+            verify_checkpoint(path, deep=deep)
+        except CheckpointError as err:
+            warnings.warn(f"skipping checkpoint: {err}", RuntimeWarning, stacklevel=2)
+            continue
+        found.append((step, path))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The newest complete checkpoint of `run_dir` (sizes checked, not hashes), or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model,
+    optimizer: Optional[torch.optim.Optimizer],
+    scheduler,
+    trainer_state: dict,
+    keep_last: Optional[int] = 3,
+    tokenizer=None,
+    generators: Optional[Mapping[str, torch.Generator]] = None,
+) -> Path:
+    """Write `run_dir/checkpoints/step_{step:08d}` atomically and return its path.
+
+    `trainer_state` holds JSON values (and tensors, stored in safetensors). The RNG states
+    of torch (CPU, and CUDA when initialised), python `random`, numpy's global generator and
+    every generator in `generators` are saved. Afterwards only the new checkpoint and the
+    newest `keep_last - 1` others are kept (None keeps all), and leftovers of interrupted
+    saves are removed.
+    """
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1 (or None to keep all), got {keep_last}")
+    if not isinstance(trainer_state, Mapping):
+        raise TypeError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{int(step):08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        _save_state(tmp, "rng", _rng_state(generators))
+        _save_state(tmp, "trainer_state", dict(trainer_state))  # first: a bad value fails fast
+        if optimizer is not None:
+            _save_state(tmp, "optimizer", optimizer.state_dict())
+        if scheduler is not None:
+            _save_state(tmp, "scheduler", scheduler.state_dict(), drop_callables=True)
+        _save_model(model, tokenizer, tmp / MODEL_DIR)
+        _sync_tree(tmp)
+        _write_manifest(tmp, int(step))
+        _fsync_dir(tmp)
+        _move_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(root, final, keep_last)
+    return final
+
+
+def _prune(root: Path, keep: Path, keep_last: Optional[int]) -> None:
+    if keep_last is not None:
+        others = [p for p in list_checkpoints(root.parent) if p != keep]
+        for old in others[: max(len(others) - (keep_last - 1), 0)]:
+            # Renamed first, so a crash mid-delete leaves no step_* directory that looks valid.
+            trash = old.with_name(f".trash-{old.name}-{os.getpid()}-{time.monotonic_ns()}")
+            os.replace(old, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+    for leftover in root.iterdir():
+        if leftover.is_dir() and leftover.name.startswith((".tmp-", ".trash-")):
+            shutil.rmtree(leftover, ignore_errors=True)
+    _fsync_dir(root)
+
+
+def load_checkpoint(
+    path: Path,
+    model,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler=None,
+    generators: Optional[Mapping[str, torch.Generator]] = None,
+    restore_rng: bool = True,
+    verify: bool = True,
+) -> dict:
+    """Restore a checkpoint into the given objects and return its trainer_state.
+
+    Weights are copied in place into `model` (its parameters stay the same objects, so an
+    optimizer built on them stays valid); the optimizer, scheduler, generators and (with
+    `restore_rng`) the global RNG states are restored when given. `verify` checks every
+    file's sha256 against the manifest first (sizes are always checked).
+    """
+    path = Path(path)
+    verify_checkpoint(path, deep=verify)
+    # Read and decode everything before touching any object.
+    optimizer_state = scheduler_state = None
+    if optimizer is not None:
+        if not (path / "optimizer.json").is_file():
+            raise CheckpointError(f"checkpoint {path} holds no optimizer state ({path / 'optimizer.json'})")
+        optimizer_state = _load_state(path, "optimizer")
+    if scheduler is not None:
+        if not (path / "scheduler.json").is_file():
+            raise CheckpointError(f"checkpoint {path} holds no scheduler state ({path / 'scheduler.json'})")
+        scheduler_state = _load_state(path, "scheduler")
+    rng = _load_state(path, "rng")
+    missing = [name for name in (generators or {}) if name not in rng.get("generators", {})]
+    if missing:
+        raise CheckpointError(
+            f"{path / 'rng.json'} holds no state for generator(s) {missing}"
+            f" (it has: {sorted(rng.get('generators', {})) or 'none'})"
+        )
+    trainer_state = _load_state(path, "trainer_state")
+
+    _load_weights(model, path / MODEL_DIR)
+    if optimizer_state is not None:
+        try:
+            optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise CheckpointError(f"{path / 'optimizer.json'} does not fit the optimizer: {err}") from None
+    if scheduler_state is not None:
+        scheduler.load_state_dict(scheduler_state)
+    _restore_generators(rng, generators, path / "rng.json")
+    if restore_rng:
+        _restore_global_rng(rng, path / "rng.json")
+    return trainer_state
+
+
+def export_model(
+    model,
+    tokenizer,
+    out_dir: Path,
+    gguf_template: Optional[Path] = None,
+    gguf_type: str = "q4_1",
+) -> dict[str, Path]:
+    """Write the model for deployment; returns {"hf": folder} plus {"gguf": file} with a template.
+
+    `out_dir/hf/` is a Hugging Face folder (safetensors, config, tokenizer) that
+    `from_pretrained` loads; it replaces a previous export atomically. With `gguf_template`
+    (the GGUF the model came from: its tokenizer and metadata are reused), also
+    `out_dir/model-{gguf_type}.gguf` for llama.cpp, of type f32, f16, bf16, q8_0, q4_0 or q4_1.
+    """
+    from deployrl.engines.gguf_io import FILE_TYPES, write_gguf
+    from deployrl.registry import unknown_name_error
+
+    if gguf_template is not None:
+        gguf_template = Path(gguf_template)
+        if gguf_type not in FILE_TYPES:
+            raise unknown_name_error("GGUF file type", gguf_type, list(FILE_TYPES))
+        if not gguf_template.is_file():
+            raise FileNotFoundError(f"GGUF template not found: {gguf_template}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = _unwrap(model)
+    written: dict[str, Path] = {}
+    hf_dir = out_dir / "hf"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-hf-", dir=out_dir))
+    try:
+        _save_model(target, tokenizer, tmp)
+        _sync_tree(tmp)
+        _move_into_place(tmp, hf_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    written["hf"] = hf_dir
+    if gguf_template is not None:
+        out = out_dir / f"model-{gguf_type}.gguf"
+        write_gguf(target.state_dict(), target.config, gguf_template, out, gguf_type)
+        _fsync_file(out)
+        _fsync_dir(out_dir)
+        written["gguf"] = out
+    return written

@@ -1,0 +1,264 @@
+"""The configuration of a training run: one validated, frozen dataclass per component.
+
+`load_config(path, overrides)` reads a YAML file (sections named like the fields of
+`TrainConfig`) and dotted overrides such as ``algo.dc.tolerance=0.01``; every key and value is
+checked before any model or data loads. `TrainConfig()` with no file is the embedded default:
+SmolLM2-135M-Instruct on reasoning-gym arithmetic, fp32 trainer, llama.cpp Q4_1 sampling,
+DC-GRPO + PS-PPO, sized for about ten minutes on two CPU cores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from deployrl.algo.advantages import ADVANTAGES
+from deployrl.algo.discrepancy import CORRECTIONS, PENALTIES, SIGNALS
+from deployrl.algo.losses import AGGREGATIONS, KL_ESTIMATORS
+from deployrl.algo.prefix import STRATEGIES, UNCERTAINTY_METRICS
+from deployrl.configio import apply_overrides, build, load_yaml
+from deployrl.engines import parse_engine_spec
+from deployrl.engines.base import SamplingParams
+from deployrl.models import DTYPES
+from deployrl.registry import unknown_name_error
+from deployrl.tasks import TaskConfig
+
+CORRECTION_CHOICES = (*CORRECTIONS.names(), "dc")
+# The embedded default's task: one-digit additions and subtractions, which SmolLM2-135M answers
+# correctly about a fifth of the time at temperature 1 (its last number, without the tags).
+EASY_ARITHMETIC = {
+    "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
+    "allow_parentheses": False, "allow_negation": False,
+}
+
+
+def default_task() -> TaskConfig:
+    return TaskConfig(
+        type="reasoning_gym", name="basic_arithmetic", rg_config=dict(EASY_ARITHMETIC), size=2000
+    )
+SCHEDULES = ("constant", "cosine")
+DYNAMIC_SAMPLING = ("off", "drop", "refill")
+
+
+def _choice(kind: str, value: str, valid) -> None:
+    if value not in valid:
+        raise unknown_name_error(kind, value, list(valid))
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The trainer's model."""
+
+    name: str = "smollm2-135m"  # HF directory, .gguf file, hub id, or alias
+    dtype: str = "fp32"  # training precision: fp32, bf16, fp16
+    activation_checkpointing: bool = False  # recompute decoder activations in the backward
+    trust_remote_code: bool = False  # never on by default: it runs code from the model repo
+    chunk_tokens: int = 1024  # tokens per output-head chunk; no [batch, seq, vocab] tensor
+
+    def __post_init__(self) -> None:
+        _choice("training dtype", self.dtype, DTYPES)
+        _positive("chunk_tokens", self.chunk_tokens)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling in the deployment engine."""
+
+    engine: str = "llamacpp:q4_1"  # hf:{fp32,bf16,fp16,fp8} or llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}
+    prompts_per_step: int = 2  # prompt groups per training step
+    group_size: int = 8  # completions per prompt (K)
+    max_new_tokens: int = 96
+    temperature: float = 1.0
+    top_p: float = 1.0  # 1 = off, the training default
+    top_k: int = 0  # 0 = off, the training default
+    context_length: int = 2048  # the engine's context (prompt + completion)
+
+    def __post_init__(self) -> None:
+        parse_engine_spec(self.engine)
+        _positive("prompts_per_step", self.prompts_per_step)
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 (group-relative advantages), got {self.group_size}")
+        self.sampling(seed=0)
+
+    def sampling(self, seed: int) -> SamplingParams:
+        return SamplingParams(
+            n=self.group_size, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_new_tokens=self.max_new_tokens, seed=seed,
+        )
+
+
+@dataclass(frozen=True)
+class DCConfig:
+    """DC-GRPO: the discrepancy constraint mean D <= tolerance, enforced by lambda."""
+
+    signal: str = "diff"  # diff |p_old - p_inf|, ratio |p_old/p_inf - 1|, log |logp_old - logp_inf|
+    penalty: str = "full"  # full: A - lambda*delta; hinge: A - lambda*max(0, delta - tolerance)
+    tolerance: Optional[float] = None  # c; None: relative_tolerance x the discrepancy of the first batch
+    relative_tolerance: float = 0.8  # c = this x mean D measured before the first update
+    lr: float = 20.0  # eta, the dual step size
+    lam_init: float = 0.0  # lambda_0
+    lam_max: float = 10.0
+
+    def __post_init__(self) -> None:
+        _choice("discrepancy signal", self.signal, SIGNALS.names())
+        _choice("discrepancy penalty", self.penalty, PENALTIES)
+        if self.tolerance is not None:
+            _non_negative("tolerance", self.tolerance)
+        _positive("relative_tolerance", self.relative_tolerance)
+        _positive("lr", self.lr)
+        _positive("lam_max", self.lam_max)
+        if not 0 <= self.lam_init <= self.lam_max:
+            raise ValueError(f"lam_init must lie in [0, lam_max={self.lam_max}], got {self.lam_init}")
+
+
+@dataclass(frozen=True)
+class PSConfig:
+    """PS-PPO: which tokens the graded pass backpropagates."""
+
+    strategy: str = "optimized"  # full, uniform, temporal, heuristic, optimized, sgrpo
+    budget: float = 32.0  # B: expected backpropagated tokens per completion
+    xi_min: float = 0.02  # smallest inclusion probability; xi_min x max_new_tokens <= budget
+    uncertainty: str = "tv"  # distance for the reward uncertainty u: tv or l2
+
+    def __post_init__(self) -> None:
+        _choice("cutoff strategy", self.strategy, STRATEGIES.names())
+        _positive("budget", self.budget)
+        if not 0 < self.xi_min <= 1:
+            raise ValueError(f"xi_min must lie in (0, 1], got {self.xi_min}")
+        _choice("uncertainty metric", self.uncertainty, UNCERTAINTY_METRICS)
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """The objective: advantages, clipped surrogate, aggregation, corrections."""
+
+    advantage: str = "grpo"  # grpo, dr_grpo, rloo
+    aggregation: str = "token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum_norm
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # DAPO clip-higher
+    dual_clip: Optional[float] = None  # > 1 bounds the loss of negative-advantage tokens
+    kl_coef: float = 0.0  # KL to the initial policy; 0 = off
+    kl_estimator: str = "k3"
+    correction: str = "dc"  # mismatch handling: none, tis, mask, dc
+    correction_cap: float = 2.0  # C of tis (weight cap) and mask (ratio band [1/C, C])
+    dynamic_sampling: str = "drop"  # off; drop zero-variance groups; refill them with new prompts
+    max_refill_rounds: int = 2  # refill: extra sampling rounds per step at most
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per epoch
+    micro_batch_tokens: int = 2048  # prompt + kept tokens per forward/backward
+    dc: DCConfig = field(default_factory=DCConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
+
+    def __post_init__(self) -> None:
+        _choice("advantage estimator", self.advantage, ADVANTAGES.names())
+        _choice("loss aggregation", self.aggregation, AGGREGATIONS.names())
+        _choice("KL estimator", self.kl_estimator, KL_ESTIMATORS.names())
+        _choice("mismatch correction", self.correction, CORRECTION_CHOICES)
+        _choice("dynamic sampling mode", self.dynamic_sampling, DYNAMIC_SAMPLING)
+        _non_negative("eps_low", self.eps_low)
+        _non_negative("eps_high", self.eps_high)
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+        _non_negative("kl_coef", self.kl_coef)
+        if self.correction == "mask" and not self.correction_cap > 1:
+            raise ValueError(f"correction_cap must be > 1 for the mask band, got {self.correction_cap}")
+        _positive("correction_cap", self.correction_cap)
+        _positive("ppo_epochs", self.ppo_epochs)
+        _positive("mini_batches", self.mini_batches)
+        _positive("micro_batch_tokens", self.micro_batch_tokens)
+        _non_negative("max_refill_rounds", self.max_refill_rounds)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with gradient clipping and a warmup + cosine (or constant) schedule."""
+
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    warmup_steps: int = 2
+    schedule: str = "constant"  # constant or cosine (to min_lr_ratio x lr at the last step)
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _positive("lr", self.lr)
+        _non_negative("weight_decay", self.weight_decay)
+        _non_negative("grad_clip", self.grad_clip)
+        _non_negative("warmup_steps", self.warmup_steps)
+        _choice("lr schedule", self.schedule, SCHEDULES)
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Periodic evaluation in the deployment engine."""
+
+    every: int = 0  # steps between evaluations; 0 = only at the end (if num_prompts > 0)
+    num_prompts: int = 16  # problems per evaluation (the first ones of the task)
+    samples: int = 1  # completions per problem (k of avg@k / pass@k)
+    temperature: float = 1.0
+    top_k: int = 0  # 1 = greedy
+    max_new_tokens: Optional[int] = None  # None: the rollout's
+    task: Optional[TaskConfig] = None  # None: held-out examples of the training task
+
+    def __post_init__(self) -> None:
+        _non_negative("every", self.every)
+        _non_negative("num_prompts", self.num_prompts)
+        _positive("samples", self.samples)
+        _positive("temperature", self.temperature)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=default_task)  # starts from the default; set rg_config={} to change dataset
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    steps: int = 16  # training steps
+    seed: int = 0
+    output_dir: str = "runs/default"
+    save_every: int = 8  # steps between checkpoints (and one at the end)
+    keep_last: int = 2  # checkpoints kept
+    log_samples: int = 2  # completions written to samples.jsonl per step
+    tensorboard: bool = True
+    wandb: bool = False  # only if wandb is installed
+
+    def __post_init__(self) -> None:
+        _positive("steps", self.steps)
+        _positive("save_every", self.save_every)
+        _positive("keep_last", self.keep_last)
+        _non_negative("log_samples", self.log_samples)
+        if self.algo.ps.strategy != "full" and self.algo.ps.xi_min * self.rollout.max_new_tokens > self.algo.ps.budget:
+            raise ValueError(
+                f"algo.ps.xi_min={self.algo.ps.xi_min} x rollout.max_new_tokens={self.rollout.max_new_tokens}"
+                f" exceeds algo.ps.budget={self.algo.ps.budget}: the budget could not be met"
+            )
+
+
+def load_config(path: Optional[Path] = None, overrides: tuple[str, ...] | list[str] = ()) -> TrainConfig:
+    """TrainConfig from an optional YAML file plus dotted overrides, fully validated."""
+    data = load_yaml(path) if path is not None else {}
+    origin = str(path) if path is not None else "command line"
+    if overrides:
+        data = apply_overrides(data, list(overrides))
+        origin = f"{origin} (with overrides)" if path is not None else origin
+    return build(TrainConfig, data, origin)

@@ -1,0 +1,554 @@
+"""Tasks: the prompts to train or evaluate on, each with the reference its reward compares with.
+
+A task comes from a JSONL or Parquet file, a Hugging Face dataset, a reasoning-gym procedural
+generator, or one of the math benchmarks shipped in ``data/benchmarks``. ``load_task`` reads
+and validates every example before it returns (the trainer calls it before loading a model):
+a bad file fails at once with the file, the line and the field.
+
+Prompts: the user text is the question, then ``"\\n\\n"`` and the instruction (by default the
+reward's: ``\\boxed{}`` for math, ``<answer>`` tags for reasoning-gym); with a system prompt the
+prompt is a chat list ``[{"role": "system", ...}, {"role": "user", ...}]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from deployrl.prompts import Prompt
+from deployrl.registry import unknown_name_error
+from deployrl.rewards import RewardFn, get_reward, last_boxed
+
+TASK_TYPES = ("jsonl", "parquet", "hf", "reasoning_gym", "benchmark")
+
+DEFAULT_INSTRUCTIONS = {
+    "math": "Please reason step by step, and put your final answer within \\boxed{}.",
+    "format": "Please reason step by step, and put your final answer within \\boxed{}.",
+    "reasoning_gym": (
+        "Please reason step by step, then give only the final answer between <answer> and </answer>"
+        " tags, e.g. <answer>42</answer>."
+    ),
+}
+
+BENCHMARK_DIR_ENV = "DEPLOYRL_BENCHMARK_DIR"
+
+
+class TaskDataError(ValueError):
+    """A task's data is missing or malformed (the message names the file, line and field)."""
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: Prompt  # user text, or chat messages [{"role", "content"}, ...]
+    reference: Any  # what the reward compares with (an answer string, a reasoning-gym entry, ...)
+    source: str  # where it came from: "data.jsonl:12", "reasoning_gym:basic_arithmetic#5", "benchmark:math500#17"
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    # where the examples come from: jsonl | parquet | hf | reasoning_gym | benchmark
+    type: str = "reasoning_gym"
+    # reasoning-gym dataset name, benchmark name, or (hf) a dataset id or a local directory
+    name: str = "basic_arithmetic"
+    # the .jsonl / .parquet file; for a benchmark, an optional override: its JSONL file or a
+    # directory holding <name>/test.jsonl
+    path: Optional[str] = None
+    # the split of an hf dataset (benchmarks have one split, test: this is ignored for them)
+    split: str = "train"
+    # jsonl/parquet/hf: the field holding the question (a string, or a chat message list)
+    prompt_field: str = "prompt"
+    # jsonl/parquet/hf: the field holding the reference answer
+    answer_field: str = "answer"
+    # a system message put before every prompt (None: none)
+    system_prompt: Optional[str] = None
+    # appended to each question after a blank line; None: the reward's default
+    # (DEFAULT_INSTRUCTIONS), "": no instruction
+    instruction: Optional[str] = None
+    # reasoning_gym: the number of generated examples
+    size: int = 1000
+    # reasoning_gym: the generator's seed (same seed, same examples)
+    seed: int = 0
+    # reasoning_gym: extra dataset settings, e.g. {"min_terms": 2, "max_terms": 4}
+    rg_config: dict = field(default_factory=dict)
+    # a built-in reward (math, reasoning_gym, format), "package.module:function", or auto:
+    # reasoning_gym for reasoning-gym tasks, math otherwise
+    reward: str = "auto"
+    # keep only the first N examples (None: all)
+    max_examples: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.type not in TASK_TYPES:
+            raise _field_error("type", unknown_name_error("task type", str(self.type), list(TASK_TYPES)))
+        for name in ("name", "split", "prompt_field", "answer_field", "reward"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"task.{name} must be a non-empty string, got {value!r}")
+        for name in ("path", "system_prompt", "instruction"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"task.{name} must be a string or None, got {value!r}")
+        if isinstance(self.path, str) and not self.path.strip():
+            raise ValueError("task.path must not be empty")
+        for name in ("size", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"task.{name} must be an integer, got {value!r}")
+        if self.size < 1:
+            raise ValueError(f"task.size must be >= 1, got {self.size}")
+        if self.seed < 0:
+            raise ValueError(f"task.seed must be >= 0, got {self.seed}")
+        if self.max_examples is not None and (
+            not isinstance(self.max_examples, int) or isinstance(self.max_examples, bool) or self.max_examples < 1
+        ):
+            raise ValueError(f"task.max_examples must be a positive integer or None, got {self.max_examples!r}")
+        if not isinstance(self.rg_config, dict):
+            raise ValueError(f"task.rg_config must be a dict, got {type(self.rg_config).__name__}")
+        if self.type in ("jsonl", "parquet"):
+            if self.path is None:
+                raise ValueError(f"task.path is required for a {self.type} task")
+            suffix = Path(self.path).suffix
+            if suffix != f".{self.type}":
+                raise ValueError(f"task.path must be a .{self.type} file for a {self.type} task, got {self.path!r}")
+        if self.type == "benchmark" and self.name not in BENCHMARKS:
+            raise _field_error("name", unknown_name_error("benchmark", self.name, list(BENCHMARKS)))
+        if self.type == "reasoning_gym":
+            if self.name not in reasoning_gym_names():
+                raise _field_error("name", unknown_name_error("reasoning-gym dataset", self.name, reasoning_gym_names()))
+            for key in ("size", "seed"):
+                if key in self.rg_config:
+                    raise ValueError(f"task.rg_config: set {key!r} with task.{key}, not in rg_config")
+            valid = reasoning_gym_settings(self.name)
+            unknown = sorted(set(self.rg_config) - set(valid))
+            if unknown:
+                raise ValueError(
+                    f"task.rg_config: {self.name!r} has no setting {', '.join(map(repr, unknown))};"
+                    f" valid: {', '.join(valid)}"
+                )
+        if self.reward != "auto":
+            try:
+                get_reward(self.reward)
+            except ValueError as err:
+                raise ValueError(f"task.reward: {err}") from None
+
+    @property
+    def reward_name(self) -> str:
+        """The reward this task uses, with ``auto`` resolved."""
+        if self.reward != "auto":
+            return self.reward
+        return "reasoning_gym" if self.type == "reasoning_gym" else "math"
+
+    @property
+    def resolved_instruction(self) -> Optional[str]:
+        """The instruction appended to each question (None: none)."""
+        if self.instruction is not None:
+            return self.instruction or None
+        return DEFAULT_INSTRUCTIONS.get(self.reward_name)
+
+
+def _field_error(name: str, err: ValueError) -> ValueError:
+    return ValueError(f"task.{name}: {err}")
+
+
+@dataclass
+class Task:
+    name: str  # e.g. "reasoning_gym:basic_arithmetic", "benchmark:math500", "data.jsonl"
+    examples: list[Example]
+    reward: RewardFn  # (completion_text, reference) -> float
+    reward_name: str = "math"  # the name or import path `reward` came from
+    config: Optional[TaskConfig] = None
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> Example:
+        return self.examples[index]
+
+    def __iter__(self) -> Iterator[Example]:
+        return iter(self.examples)
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return [example.prompt for example in self.examples]
+
+    @property
+    def references(self) -> list[Any]:
+        return [example.reference for example in self.examples]
+
+
+# --------------------------------------------------------------------------- prompts
+
+def make_prompt(question: Prompt, instruction: Optional[str] = None, system_prompt: Optional[str] = None) -> Prompt:
+    """The prompt of one example: question + "\\n\\n" + instruction; a chat list with a system prompt.
+
+    A chat-list question gets the instruction appended to its last user message.
+
+    >>> make_prompt("What is 2 + 2?", "Answer with a number.")
+    'What is 2 + 2?\\n\\nAnswer with a number.'
+    >>> make_prompt("Hi", None, "Be brief.")
+    [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}]
+    """
+    if isinstance(question, str):
+        text = question.strip()
+        if instruction:
+            text = f"{text}\n\n{instruction}"
+        if system_prompt:
+            return [{"role": "system", "content": system_prompt}, {"role": "user", "content": text}]
+        return text
+    messages = [dict(m) for m in question]
+    if instruction:
+        for message in reversed(messages):
+            if message["role"] == "user":
+                message["content"] = f"{message['content'].rstrip()}\n\n{instruction}"
+                break
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def _is_messages(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
+        and any(m["role"] == "user" for m in value)
+    )
+
+
+def _check_prompt(value: Any, where: str, field_name: str) -> Prompt:
+    if isinstance(value, str) and value.strip():
+        return value
+    if _is_messages(value):
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise TaskDataError(
+        f"{where}: field {field_name!r} must be a non-empty string or a list of chat messages"
+        f" ({{role, content}} with a user message), got {_short(value)}"
+    )
+
+
+def _check_answer(value: Any, where: str, field_name: str) -> Any:
+    if value is None or isinstance(value, bool):
+        raise TaskDataError(f"{where}: field {field_name!r} is empty (null)")
+    if isinstance(value, str):
+        if not value.strip():
+            raise TaskDataError(f"{where}: field {field_name!r} is an empty string")
+        return value
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and value != value:
+            raise TaskDataError(f"{where}: field {field_name!r} is NaN")
+        return value
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise TaskDataError(f"{where}: field {field_name!r} is an empty list")
+        return [_check_answer(v, where, field_name) for v in value]
+    if isinstance(value, dict) and value:
+        return value
+    raise TaskDataError(f"{where}: field {field_name!r} must be a string, a number or a list, got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _record_example(record: Any, where: str, config: TaskConfig, instruction: Optional[str]) -> Example:
+    if not isinstance(record, dict):
+        raise TaskDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for name in (config.prompt_field, config.answer_field):
+        if name not in record:
+            present = ", ".join(sorted(map(str, record))) or "none"
+            raise TaskDataError(f"{where}: field {name!r} is missing (fields present: {present})")
+    prompt = _check_prompt(record[config.prompt_field], where, config.prompt_field)
+    answer = _check_answer(record[config.answer_field], where, config.answer_field)
+    return Example(prompt=make_prompt(prompt, instruction, config.system_prompt), reference=answer, source=where)
+
+
+# --------------------------------------------------------------------------- files
+
+def _load_jsonl(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
+    path = Path(config.path)
+    if not path.is_file():
+        raise TaskDataError(f"{path}: file not found (task.path)")
+    examples = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise TaskDataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+            examples.append(_record_example(record, where, config, instruction))
+            if config.max_examples is not None and len(examples) >= config.max_examples:
+                break
+    return examples
+
+
+def _load_parquet(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
+    import pyarrow.parquet as pq
+
+    path = Path(config.path)
+    if not path.is_file():
+        raise TaskDataError(f"{path}: file not found (task.path)")
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises its own error types
+        raise TaskDataError(f"{path}: cannot read as Parquet ({type(err).__name__}: {err})") from None
+    for name in (config.prompt_field, config.answer_field):
+        if name not in table.column_names:
+            raise TaskDataError(
+                f"{path}: field {name!r} is missing (columns: {', '.join(table.column_names) or 'none'})"
+            )
+    if config.max_examples is not None:
+        table = table.slice(0, config.max_examples)
+    records = table.select([config.prompt_field, config.answer_field]).to_pylist()
+    return [
+        _record_example(record, f"{path}:row {number}", config, instruction)
+        for number, record in enumerate(records, start=1)
+    ]
+
+
+def _load_hf(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
+    try:
+        import datasets
+    except ImportError as err:  # pragma: no cover - datasets is a dependency
+        raise TaskDataError("hf tasks need the 'datasets' package (pip install datasets)") from err
+    local = Path(config.name)
+    try:
+        if local.is_dir() and (
+            (local / "dataset_info.json").is_file()
+            or (local / "state.json").is_file()
+            or (local / "dataset_dict.json").is_file()
+        ):
+            data = datasets.load_from_disk(str(local))
+            if isinstance(data, datasets.DatasetDict):
+                if config.split not in data:
+                    raise TaskDataError(
+                        f"{local}: no split {config.split!r} (task.split); splits: {', '.join(data)}"
+                    )
+                data = data[config.split]
+        else:
+            data = datasets.load_dataset(config.name, split=config.split)
+    except TaskDataError:
+        raise
+    except Exception as err:
+        raise TaskDataError(
+            f"hf dataset {config.name!r} (split {config.split!r}): cannot load ({type(err).__name__}: {err})"
+        ) from None
+    for name in (config.prompt_field, config.answer_field):
+        if name not in data.column_names:
+            raise TaskDataError(
+                f"hf dataset {config.name!r}: field {name!r} is missing (columns: {', '.join(data.column_names)})"
+            )
+    if config.max_examples is not None:
+        data = data.select(range(min(config.max_examples, len(data))))
+    data = data.select_columns([config.prompt_field, config.answer_field])
+    return [
+        _record_example(record, f"hf:{config.name}[{config.split}]#{index}", config, instruction)
+        for index, record in enumerate(data)
+    ]
+
+
+# --------------------------------------------------------------------------- reasoning-gym
+
+def reasoning_gym_names() -> list[str]:
+    """The dataset names reasoning-gym provides."""
+    from reasoning_gym.factory import DATASETS
+
+    return sorted(DATASETS)
+
+
+def reasoning_gym_settings(name: str) -> list[str]:
+    """The settings (``rg_config`` keys) of reasoning-gym dataset `name`, without size and seed."""
+    from reasoning_gym.factory import DATASETS
+
+    return [f.name for f in dataclasses.fields(DATASETS[name][1]) if f.name not in ("size", "seed")]
+
+
+def _load_reasoning_gym(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
+    import reasoning_gym
+
+    try:
+        dataset = reasoning_gym.create_dataset(config.name, size=config.size, seed=config.seed, **config.rg_config)
+    except Exception as err:  # the dataset's own validation (assertions, type errors)
+        raise ValueError(
+            f"task.rg_config: reasoning-gym rejected the settings for {config.name!r}"
+            f" ({type(err).__name__}: {err or 'invalid value'})"
+        ) from None
+    count = config.size if config.max_examples is None else min(config.size, config.max_examples)
+    examples = []
+    for index in range(count):
+        entry = dict(dataset[index])
+        where = f"reasoning_gym:{config.name}#{index}"
+        question = entry.get("question")
+        if not isinstance(question, str) or not question.strip():
+            raise TaskDataError(f"{where}: reasoning-gym produced an entry without a question")
+        if config.rg_config:
+            entry["dataset_config"] = dict(config.rg_config)
+        examples.append(Example(make_prompt(question, instruction, config.system_prompt), entry, where))
+    return examples
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+def _benchmark_answer(record: dict) -> Any:
+    return record.get("answer")
+
+
+def _gsm8k_answer(record: dict) -> Any:
+    solution = record.get("answer")
+    if not isinstance(solution, str) or "####" not in solution:
+        return None
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def _minerva_answer(record: dict) -> Any:
+    answer = last_boxed(record["solution"]) if isinstance(record.get("solution"), str) else None
+    if answer is None:
+        return None
+    answer = re.sub(r"\bnp\.([a-z]+)", r"\\\1", answer)  # np.arcsin(10/13) -> \arcsin(10/13)
+    answer = re.sub(r"(\d)\./", r"\1/", answer)  # Python's -1./3 -> -1/3
+    return answer.strip()
+
+
+def _olympiad_answer(record: dict) -> Any:
+    finals = record.get("final_answer")
+    if not isinstance(finals, list) or not finals:
+        return None
+    parts = []
+    for final in finals:
+        # "$69$,$84$" (several answers) -> "69, 84"; strip math delimiters and a final period
+        for piece in re.split(r"\$\s*,\s*\$", str(final)):
+            piece = piece.strip().strip("$").strip().rstrip(".").strip()
+            if piece:
+                parts.append(piece)
+    answer = ", ".join(parts)
+    if record.get("answer_type") == "Interval":
+        answer = re.sub(r"^[a-zA-Z]\s*(?=[(\[])", "", answer)  # "t(0,4]" -> "(0,4]"
+    answer = re.sub(r"_\{\\(max|min)\s*\}", r"_{\1}", answer)  # m_{\max } -> m_{max}
+    if (record.get("unit") or "").strip() in ("%", "\\%"):
+        answer += "\\%"  # the math reward accepts both 4.2\% and 4.2
+    return answer or None
+
+
+def _olympiad_question(record: dict) -> Any:
+    question, context = record.get("question"), record.get("context")
+    if isinstance(context, str) and context.strip() and isinstance(question, str):
+        return f"{context.strip()}\n\n{question}"
+    return question
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    question: Callable[[dict], Any]  # the question text of a record
+    answer: Callable[[dict], Any]  # the reference answer of a record (None if absent)
+    answer_field: str  # the field the answer comes from (for error messages)
+    size: int  # the number of problems
+
+
+def _field(name: str) -> Callable[[dict], Any]:
+    return lambda record: record.get(name)
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "math500": Benchmark(_field("problem"), _benchmark_answer, "answer", 500),
+    "aime24": Benchmark(_field("problem"), _benchmark_answer, "answer", 30),
+    "aime25": Benchmark(_field("problem"), _benchmark_answer, "answer", 30),
+    "amc23": Benchmark(_field("question"), _benchmark_answer, "answer", 40),
+    "minerva_math": Benchmark(_field("problem"), _minerva_answer, "solution", 272),
+    "olympiadbench": Benchmark(_olympiad_question, _olympiad_answer, "final_answer", 675),
+    "gsm8k": Benchmark(_field("question"), _gsm8k_answer, "answer", 1319),
+}
+
+
+def benchmark_dir() -> Path:
+    """Where the benchmark files live: ``$DEPLOYRL_BENCHMARK_DIR``, else the repository's
+    ``data/benchmarks`` (the repository root holds ``src/deployrl``)."""
+    env = os.environ.get(BENCHMARK_DIR_ENV)
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "data" / "benchmarks"
+
+
+def benchmark_file(name: str, override: Optional[str] = None) -> Path:
+    """The JSONL file of benchmark `name`; `override` is that file or a directory holding
+    ``<name>/test.jsonl``."""
+    if name not in BENCHMARKS:
+        raise unknown_name_error("benchmark", name, list(BENCHMARKS))
+    if override is not None:
+        base = Path(override)
+        path = base if base.is_file() else base / name / "test.jsonl"
+    else:
+        path = benchmark_dir() / name / "test.jsonl"
+    if not path.is_file():
+        raise TaskDataError(
+            f"{path}: benchmark file not found; the files ship in the repository's data/benchmarks:"
+            f" point task.path (or ${BENCHMARK_DIR_ENV}) at that directory"
+        )
+    return path
+
+
+def _load_benchmark(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
+    spec = BENCHMARKS[config.name]
+    path = benchmark_file(config.name, config.path)
+    examples = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise TaskDataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(record, dict):
+                raise TaskDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            question = spec.question(record)
+            if not isinstance(question, str) or not question.strip():
+                raise TaskDataError(f"{where}: no question (field 'problem'/'question' missing or empty)")
+            answer = spec.answer(record)
+            if answer is None or (isinstance(answer, str) and not answer.strip()):
+                raise TaskDataError(f"{where}: no reference answer in field {spec.answer_field!r}")
+            if isinstance(answer, float) and answer.is_integer():
+                answer = int(answer)
+            answer = str(answer)
+            source = f"benchmark:{config.name}#{len(examples)}"
+            examples.append(Example(make_prompt(question, instruction, config.system_prompt), answer, source))
+            if config.max_examples is not None and len(examples) >= config.max_examples:
+                break
+    return examples
+
+
+# --------------------------------------------------------------------------- entry point
+
+_LOADERS = {
+    "jsonl": _load_jsonl,
+    "parquet": _load_parquet,
+    "hf": _load_hf,
+    "reasoning_gym": _load_reasoning_gym,
+    "benchmark": _load_benchmark,
+}
+
+
+def load_task(config: TaskConfig) -> Task:
+    """Load and validate every example of the task; errors name the file, line and field."""
+    if not isinstance(config, TaskConfig):
+        raise TypeError(f"load_task expects a TaskConfig, got {type(config).__name__}")
+    reward = get_reward(config.reward_name)
+    examples = _LOADERS[config.type](config, config.resolved_instruction)
+    if not examples:
+        raise TaskDataError(f"task {_task_name(config)}: no examples")
+    return Task(name=_task_name(config), examples=examples, reward=reward, reward_name=config.reward_name, config=config)
+
+
+def _task_name(config: TaskConfig) -> str:
+    if config.type in ("jsonl", "parquet"):
+        return str(config.path)
+    return f"{config.type}:{config.name}"

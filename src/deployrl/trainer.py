@@ -1,0 +1,505 @@
+"""The training loop: GRPO-family RL against the deployment engine, with DC-GRPO and PS-PPO.
+
+One step, as in DESIGN.md:
+
+    prompts -> rollout engine (K per prompt, logp_inf) -> rewards -> group advantages
+    -> trainer no-grad pass (logp_old, proxies) -> delta, lambda-shaped advantages
+    -> cutoff plan (xi, H) -> graded pass on the kept prefixes, loss, backward, optimizer step
+    -> dual update of lambda -> weight sync to the engine -> metrics, checkpoint
+
+Each stage is a function below; `Trainer.step` strings them together. Deviations and choices:
+* the cutoff plan is drawn once per step and reused by every PPO epoch and mini-batch;
+* the graded pass feeds each row only up to its cutoff; the positions past it keep
+  logp = logp_old (ratio 1) with weight 0, so every loss keeps full-length [B, T] tensors and
+  its denominator counts all real tokens (the unbiasedness condition of PS-PPO);
+* with `dc`, the tolerance c defaults to `relative_tolerance` x the mean discrepancy of the
+  first batch, measured before any update (the scale of delta depends on model and engine);
+* rows are group-major; groups whose rewards are all equal are dropped (or refilled) when
+  the KL term is off, since their advantages are exactly zero.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from deployrl.algo.advantages import broadcast_to_tokens, compute_advantages, zero_variance_groups
+from deployrl.algo.discrepancy import (
+    DualController,
+    correction_weights,
+    discrepancy_summary,
+    shape_advantages,
+    token_discrepancy,
+    trajectory_discrepancy,
+)
+from deployrl.algo.logprobs import chunked_token_stats
+from deployrl.algo.losses import policy_loss
+from deployrl.algo.prefix import PrefixPlan, cutoff_law, grad_norm_proxy, reward_uncertainty, sample_plan
+from deployrl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from deployrl.config import TrainConfig
+from deployrl.configio import to_dict
+from deployrl.engines import make_engine
+from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
+from deployrl.models import completion_hidden, load_model, load_tokenizer, output_head, resolve_model, token_logprobs
+from deployrl.prompts import encode_prompts
+from deployrl.rewards import score_completions
+from deployrl.runlog import RunLogger, format_postfix, progress
+from deployrl.tasks import Example, Task, load_task
+
+
+@dataclass
+class Rollouts:
+    """Sampled groups with their rewards."""
+
+    batch: RolloutBatch
+    examples: list[Example]  # one per group
+    rewards: torch.Tensor  # [G, K]
+    texts: list[str]  # [B] decoded completions
+    reward_failures: int = 0
+    reward_timeouts: int = 0
+    dropped_groups: int = 0
+
+
+@dataclass
+class OldPass:
+    """The trainer's no-grad pass over the full completions."""
+
+    logp: torch.Tensor  # [B, T] logp_old
+    logp_ref: Optional[torch.Tensor]  # [B, T] reference policy, when the KL term is on
+    entropy: Optional[torch.Tensor] = None  # [B, T]
+    grad_norm: Optional[torch.Tensor] = None  # [B, T] gamma
+    hidden: Optional[torch.Tensor] = None  # [B, T, D]
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint needs besides weights, optimizer and scheduler."""
+
+    step: int = 0
+    data_position: int = 0
+    tolerance: Optional[float] = None
+    dual: dict[str, float] = field(default_factory=dict)
+
+
+def cat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
+    """Concatenate rollout batches row-wise (same group size), padding to the widest."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.completion_ids.shape[1] for p in parts)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+    return RolloutBatch(
+        prompt_ids=[p for b in parts for p in b.prompt_ids],
+        completion_ids=torch.cat([pad(b.completion_ids) for b in parts]),
+        logp_inf=torch.cat([pad(b.logp_inf) for b in parts]),
+        mask=torch.cat([pad(b.mask) for b in parts]),
+        finish_reasons=[r for b in parts for r in b.finish_reasons],
+        semantics=parts[0].semantics,
+        group_size=parts[0].group_size,
+        timing={k: sum(b.timing.get(k, 0.0) for b in parts) for k in parts[0].timing},
+    )
+
+
+def select_groups(rollouts: Rollouts, keep: torch.Tensor) -> Rollouts:
+    """The groups where `keep` [G] is True."""
+    k = rollouts.batch.group_size
+    rows = keep.repeat_interleave(k)
+    b = rollouts.batch
+    batch = RolloutBatch(
+        prompt_ids=[p for p, r in zip(b.prompt_ids, rows.tolist()) if r],
+        completion_ids=b.completion_ids[rows],
+        logp_inf=b.logp_inf[rows],
+        mask=b.mask[rows],
+        finish_reasons=[f for f, r in zip(b.finish_reasons, rows.tolist()) if r],
+        semantics=b.semantics,
+        group_size=k,
+        timing=b.timing,
+    )
+    return Rollouts(
+        batch=batch,
+        examples=[e for e, g in zip(rollouts.examples, keep.tolist()) if g],
+        rewards=rollouts.rewards[keep],
+        texts=[t for t, r in zip(rollouts.texts, rows.tolist()) if r],
+        reward_failures=rollouts.reward_failures,
+        reward_timeouts=rollouts.reward_timeouts,
+        dropped_groups=rollouts.dropped_groups + int((~keep).sum()),
+    )
+
+
+def micro_batches(rows: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Rows sorted by length and packed greedily into groups of at most `token_budget` tokens."""
+    batches, current, used = [], [], 0
+    for row in sorted(rows, key=lambda r: lengths[r]):
+        if current and used + lengths[row] > token_budget:
+            batches.append(current)
+            current, used = [], 0
+        current.append(row)
+        used += lengths[row]
+    if current:
+        batches.append(current)
+    return batches
+
+
+def lr_lambda(cfg, total_steps: int):
+    """Warmup then constant or cosine decay, as a LambdaLR multiplier of the step."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.schedule == "constant":
+            return 1.0
+        progress_ = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress_, 1.0)))
+
+    return factor
+
+
+class Trainer:
+    """Holds the components of a run; `run()` trains, `step()` does one step."""
+
+    def __init__(self, config: TrainConfig, resume: bool = False) -> None:
+        self.config = config
+        self.task: Task = load_task(config.task)  # data is validated before any model loads
+        if len(self.task.examples) < config.rollout.prompts_per_step:
+            raise ValueError(
+                f"task {self.task.name} has {len(self.task.examples)} examples, fewer than"
+                f" rollout.prompts_per_step={config.rollout.prompts_per_step}"
+            )
+        self.run_dir = Path(config.output_dir)
+        self.source = resolve_model(config.model.name)
+        self.tokenizer = load_tokenizer(self.source, config.model.trust_remote_code)
+        self.model = load_model(
+            self.source, config.model.dtype, config.model.activation_checkpointing, config.model.trust_remote_code
+        )
+        self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if config.algo.kl_coef > 0 else None
+        eos = self.eos_token_ids()
+        self.engine = make_engine(config.rollout.engine, self.model, self.source, eos, config.rollout.context_length)
+        optim = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, config.steps))
+        dc = config.algo.dc
+        self.dual = DualController(tolerance=dc.tolerance or 0.0, lr=dc.lr, lam_max=dc.lam_max, lam=dc.lam_init)
+        self.state = TrainState(tolerance=dc.tolerance)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.order = self._data_order()
+        self.eval_task: Optional[Task] = None
+        self.resumed_from: Optional[Path] = None
+        checkpoint = latest_checkpoint(self.run_dir) if resume else None
+        if checkpoint is not None:
+            saved = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler, {"plan": self.generator})
+            self.state = TrainState(**saved)
+            self.dual.load_state_dict(self.state.dual)
+            if self.state.tolerance is not None:
+                self.dual.tolerance = self.state.tolerance
+            self.engine.sync(self.model.state_dict())
+            self.resumed_from = checkpoint
+        else:
+            random.seed(config.seed)
+            np.random.seed(config.seed)
+            torch.manual_seed(config.seed)
+        self.logger = RunLogger(
+            self.run_dir, to_dict(config), tensorboard=config.tensorboard, wandb=config.wandb,
+            resume=self.resumed_from is not None,
+        )
+        if self.resumed_from is not None:
+            self.logger.truncate_after(self.state.step)
+
+    def eos_token_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        generation = getattr(self.model, "generation_config", None)
+        eos = getattr(generation, "eos_token_id", None)
+        ids |= set(eos if isinstance(eos, list) else [eos])
+        return sorted(i for i in ids if i is not None)
+
+    def _data_order(self) -> list[int]:
+        order = list(range(len(self.task.examples)))
+        random.Random(self.config.seed).shuffle(order)
+        return order
+
+    # --- stages -------------------------------------------------------------------------
+
+    def next_examples(self, count: int) -> list[Example]:
+        """The next `count` examples of the shuffled stream (wrapping around)."""
+        n = len(self.order)
+        picked = [self.task.examples[self.order[(self.state.data_position + i) % n]] for i in range(count)]
+        self.state.data_position += count
+        return picked
+
+    def sample(self, examples: list[Example], params: SamplingParams) -> Rollouts:
+        """Generate K completions per example with the engine and score them."""
+        prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples])
+        batch = self.engine.generate(prompt_ids, params)
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in batch.completions()]
+        k = params.n
+        references = [examples[row // k].reference for row in range(len(texts))]
+        scores = score_completions(self.task.reward, texts, references)
+        rewards = torch.tensor(scores.values, dtype=torch.float32).reshape(len(examples), k)
+        return Rollouts(batch, examples, rewards, texts, scores.failures, scores.timeouts)
+
+    def collect(self) -> Rollouts:
+        """Sample one step's groups; drop (or refill) groups whose rewards are all equal."""
+        cfg = self.config
+        mode = cfg.algo.dynamic_sampling if cfg.algo.kl_coef == 0 else "off"
+        params = cfg.rollout.sampling(seed=cfg.seed * 1_000_003 + self.state.step)
+        rollouts = self.sample(self.next_examples(cfg.rollout.prompts_per_step), params)
+        if mode == "off":
+            return rollouts
+        rollouts = select_groups(rollouts, ~zero_variance_groups(rollouts.rewards))
+        rounds = 0
+        while mode == "refill" and rounds < cfg.algo.max_refill_rounds and len(rollouts.examples) < cfg.rollout.prompts_per_step:
+            rounds += 1
+            missing = cfg.rollout.prompts_per_step - len(rollouts.examples)
+            params = SamplingParams(**{**params.__dict__, "seed": params.seed + 7919 * rounds})
+            extra = self.sample(self.next_examples(missing), params)
+            extra = select_groups(extra, ~zero_variance_groups(extra.rewards))
+            rollouts = Rollouts(
+                batch=cat_rollouts([rollouts.batch, extra.batch]) if extra.examples else rollouts.batch,
+                examples=rollouts.examples + extra.examples,
+                rewards=torch.cat([rollouts.rewards, extra.rewards]),
+                texts=rollouts.texts + extra.texts,
+                reward_failures=rollouts.reward_failures + extra.reward_failures,
+                reward_timeouts=rollouts.reward_timeouts + extra.reward_timeouts,
+                dropped_groups=rollouts.dropped_groups + extra.dropped_groups,
+            )
+        return rollouts
+
+    @torch.no_grad()
+    def old_pass(self, rollouts: Rollouts, params: SamplingParams) -> OldPass:
+        """logp_old (and logp_ref, proxies) over the full completions, in chunks."""
+        batch, cfg = rollouts.batch, self.config
+        view = trainer_view(batch.semantics, params)
+        strategy = cfg.algo.ps.strategy
+        hidden = completion_hidden(self.model, batch.prompt_ids, batch.completion_ids, batch.mask)
+        stats = chunked_token_stats(
+            hidden, output_head(self.model), batch.completion_ids, batch.mask, view, cfg.model.chunk_tokens,
+            with_stats=strategy in ("heuristic", "optimized"),
+        )
+        logp_ref = None
+        if self.ref_model is not None:
+            logp_ref = token_logprobs(
+                self.ref_model, batch.prompt_ids, batch.completion_ids, batch.mask, view, cfg.model.chunk_tokens
+            ).logp
+        out = OldPass(logp=stats.logp, logp_ref=logp_ref)
+        if strategy == "heuristic":
+            out.entropy = stats.entropy
+        if strategy == "optimized":
+            out.grad_norm = grad_norm_proxy(stats.logp, stats.sum_p2, stats.hidden_norm)
+            out.hidden = hidden
+        return out
+
+    def shaped_advantages(self, rollouts: Rollouts, old: OldPass) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Group advantages per token, DC-shaped when `dc` is on; per-token correction weights."""
+        batch, algo = rollouts.batch, self.config.algo
+        mask = batch.mask
+        advantages = broadcast_to_tokens(compute_advantages(algo.advantage, rollouts.rewards), mask)
+        delta = token_discrepancy(old.logp, batch.logp_inf, mask, algo.dc.signal)
+        mean_d = float(trajectory_discrepancy(delta, mask).mean())
+        if self.state.tolerance is None:  # c relative to what this engine really does
+            self.state.tolerance = algo.dc.relative_tolerance * mean_d
+            self.dual.tolerance = self.state.tolerance
+        metrics = {f"dc/{k}": float(v) for k, v in discrepancy_summary(delta, mask, old.logp, self.state.tolerance).items()}
+        metrics["dc/tolerance"] = self.state.tolerance
+        if algo.correction == "dc":
+            advantages = shape_advantages(advantages, delta, mask, self.dual.lam, algo.dc.penalty, self.state.tolerance)
+            weights = torch.ones_like(advantages)
+        else:
+            weights = correction_weights(algo.correction, old.logp, batch.logp_inf, algo.correction_cap) * mask
+        return advantages, weights, metrics
+
+    def cutoff_plan(self, rollouts: Rollouts, old: OldPass) -> PrefixPlan:
+        """The PS-PPO plan: which prefix of each completion the graded pass backpropagates."""
+        ps, batch = self.config.algo.ps, rollouts.batch
+        k, mask = batch.group_size, batch.mask
+        token_weights = old.entropy
+        if old.grad_norm is not None:
+            success = (rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)).reshape(-1)  # [B]
+            head = output_head(self.model).detach()
+            u = torch.stack([
+                reward_uncertainty(old.hidden[g * k:(g + 1) * k], head, mask[g * k:(g + 1) * k],
+                                   success[g * k:(g + 1) * k], ps.uncertainty)
+                for g in range(len(rollouts.examples))
+            ])  # [G, T]
+            token_weights = old.grad_norm * u.repeat_interleave(k, dim=0)
+        xi = cutoff_law(ps.strategy, mask, k, ps.budget, ps.xi_min, token_weights)
+        return sample_plan(ps.strategy, xi, mask, self.generator)
+
+    def update(
+        self, rollouts: Rollouts, old: OldPass, advantages: torch.Tensor, weights: torch.Tensor,
+        plan: PrefixPlan, params: SamplingParams,
+    ) -> dict[str, float]:
+        """PPO epochs over mini-batches; the graded pass sees each row's kept prefix only."""
+        cfg, batch = self.config, rollouts.batch
+        algo = cfg.algo
+        view = trainer_view(batch.semantics, params)
+        token_weights = weights * plan.weights
+        cutoffs = plan.cutoffs.tolist()
+        row_tokens = [len(p) + c for p, c in zip(batch.prompt_ids, cutoffs)]
+        rows_all = list(range(len(cutoffs)))
+        losses, clip_fracs, grad_norms, graded_tokens = [], [], [], 0
+        self.model.train()
+        for _ in range(algo.ppo_epochs):
+            order = torch.randperm(len(rows_all), generator=self.generator).tolist()
+            for part in range(algo.mini_batches):
+                mini = sorted(order[part::algo.mini_batches])
+                if not mini:
+                    continue
+                idx = torch.tensor(mini)
+                count = batch.mask[idx].sum() if algo.aggregation == "token_mean" else len(mini)
+                self.optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                active = [r for r in mini if cutoffs[r] > 0]
+                for micro in micro_batches(active, row_tokens, algo.micro_batch_tokens):
+                    rows = torch.tensor(micro)
+                    width = max(cutoffs[r] for r in micro)
+                    kept = torch.arange(width)[None, :] < plan.cutoffs[rows][:, None]  # [b, width]
+                    graded = token_logprobs(
+                        self.model, [batch.prompt_ids[r] for r in micro], batch.completion_ids[rows, :width],
+                        kept, view, cfg.model.chunk_tokens,
+                    ).logp
+                    graded_tokens += int(kept.sum())
+                    logp = old.logp[rows].clone()
+                    logp[:, :width] = torch.where(kept, graded, logp[:, :width])
+                    out = policy_loss(
+                        logp, old.logp[rows], advantages[rows], batch.mask[rows], token_weights[rows],
+                        eps_low=algo.eps_low, eps_high=algo.eps_high, dual_clip=algo.dual_clip,
+                        aggregation=algo.aggregation, max_length=cfg.rollout.max_new_tokens, denominator=count,
+                        logp_ref=None if old.logp_ref is None else old.logp_ref[rows],
+                        kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
+                    )
+                    out.loss.backward()
+                    step_loss += float(out.loss.detach())
+                    clip_fracs.append(float(out.metrics["clip_fraction"]))
+                if cfg.optim.grad_clip > 0:
+                    grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)))
+                self.optimizer.step()
+                losses.append(step_loss)
+        self.scheduler.step()
+        self.model.eval()
+        return {
+            "loss": float(np.mean(losses)) if losses else 0.0,
+            "clip_fraction": float(np.mean(clip_fracs)) if clip_fracs else 0.0,
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+            "ps/tokens_graded": graded_tokens / algo.ppo_epochs,
+            "ps/tokens_kept": float(plan.keep.sum()),
+            "ps/tokens_total": float(batch.mask.sum()),
+            "ps/expected_kept": float(plan.expected_tokens),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def step(self) -> dict[str, float]:
+        """One training step; returns its metrics."""
+        cfg = self.config
+        times: dict[str, float] = {}
+        start = tick = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal tick
+            now = time.perf_counter()
+            times[f"time/{name}"] = now - tick
+            tick = now
+
+        rollouts = self.collect()
+        lap("rollout")
+        all_rewards = rollouts.rewards
+        metrics: dict[str, float] = {
+            "reward/groups_dropped": float(rollouts.dropped_groups),
+            "reward/failures": float(rollouts.reward_failures),
+            "reward/timeouts": float(rollouts.reward_timeouts),
+            "engine/tokens_per_s": rollouts.batch.timing.get("tokens_per_s", 0.0),
+        }
+        if rollouts.examples:
+            params = cfg.rollout.sampling(seed=0)
+            metrics["reward/mean"] = float(all_rewards.mean())
+            metrics["completion/mean_length"] = float(rollouts.batch.lengths.float().mean())
+            old = self.old_pass(rollouts, params)
+            lap("old_pass")
+            advantages, weights, dc_metrics = self.shaped_advantages(rollouts, old)
+            metrics.update(dc_metrics)
+            plan = self.cutoff_plan(rollouts, old)
+            lap("plan")
+            metrics.update(self.update(rollouts, old, advantages, weights, plan, params))
+            lap("update")
+            if cfg.algo.correction == "dc":
+                metrics["dc/lambda_used"] = self.dual.lam
+                self.dual.step(metrics["dc/mean_D"])
+            self.engine.sync(self.model.state_dict())
+            lap("sync")
+            self.logger.log_samples(self.state.step + 1, [
+                {"prompt": str(e.prompt), "completion": t, "reward": float(r)}
+                for e, t, r in zip(
+                    [rollouts.examples[i // rollouts.batch.group_size] for i in range(len(rollouts.texts))],
+                    rollouts.texts, rollouts.rewards.reshape(-1),
+                )
+            ][: cfg.log_samples])
+        metrics["dc/lambda"] = self.dual.lam
+        self.state.step += 1
+        self.state.dual = self.dual.state_dict()
+        times["time/step"] = time.perf_counter() - start
+        metrics.update(times)
+        return metrics
+
+    def run(self) -> list[dict[str, float]]:
+        cfg = self.config
+        history = []
+        bar = progress(cfg.steps, initial=self.state.step)
+        try:
+            while self.state.step < cfg.steps:
+                metrics = self.step()
+                if cfg.eval.every and self.state.step % cfg.eval.every == 0:
+                    metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+                self.logger.log(self.state.step, metrics)
+                history.append(metrics)
+                bar.update(1)
+                bar.set_postfix(format_postfix(metrics))
+                if self.state.step % cfg.save_every == 0 or self.state.step == cfg.steps:
+                    self.save()
+            if cfg.eval.num_prompts and not cfg.eval.every:
+                final = {f"eval/{k}": v for k, v in self.evaluate().items()}
+                self.logger.log(self.state.step, final)
+                history.append(final)
+        finally:
+            bar.close()
+            self.logger.plot()
+            self.logger.close()
+        return history
+
+    def save(self) -> Path:
+        self.state.dual = self.dual.state_dict()
+        return save_checkpoint(
+            self.run_dir, self.state.step, self.model, self.optimizer, self.scheduler,
+            self.state.__dict__.copy(), keep_last=self.config.keep_last, tokenizer=self.tokenizer,
+            generators={"plan": self.generator},
+        )
+
+    def export(self, out_dir: Path, gguf_type: str = "q4_1") -> dict[str, Path]:
+        return export_model(self.model, self.tokenizer, out_dir, self.source.gguf_path, gguf_type)
+
+    def evaluate(self) -> dict[str, float]:
+        from deployrl.evaluate import evaluate
+
+        cfg = self.config
+        if self.eval_task is None:  # default: fresh problems of the training task (another seed)
+            self.eval_task = load_task(cfg.eval.task or replace(cfg.task, seed=cfg.task.seed + 1))
+        task = self.eval_task
+        return evaluate(
+            self.engine, self.tokenizer, task, cfg.eval, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, cfg.seed
+        )
+
+
+def train(config: TrainConfig, resume: bool = False) -> list[dict[str, float]]:
+    """Train with `config`; with `resume`, continue from the run directory's latest checkpoint."""
+    return Trainer(config, resume=resume).run()

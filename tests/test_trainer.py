@@ -1,0 +1,130 @@
+"""End-to-end training on a tiny random model with a character tokenizer."""
+
+import math
+
+import pytest
+import torch
+
+from deployrl.config import load_config
+from deployrl.configio import ConfigError
+from deployrl.trainer import Trainer, micro_batches
+
+
+def toy_config(tmp_path, tiny_dir, *overrides):
+    from tiny import toy_task_file
+
+    task_file = toy_task_file(tmp_path)
+    return load_config(None, [
+        f"model.name={tiny_dir}",
+        "task.type=jsonl", f"task.path={task_file}", "task.reward=tiny:starts_with_digit", "task.instruction=",
+        "rollout.engine=hf:bf16", "rollout.prompts_per_step=4", "rollout.group_size=6", "rollout.max_new_tokens=6",
+        "rollout.context_length=256",
+        "algo.ps.budget=3", "algo.ps.xi_min=0.05", "algo.dynamic_sampling=off",
+        "optim.lr=0.01", "optim.warmup_steps=0",
+        "steps=3", "save_every=100", "eval.num_prompts=0", "tensorboard=false",
+        f"output_dir={tmp_path / 'run'}",
+        *overrides,
+    ])
+
+
+VARIANTS = {
+    "grpo": ["algo.correction=none", "algo.ps.strategy=full"],
+    "dr_grpo_tis": ["algo.advantage=dr_grpo", "algo.aggregation=seq_mean_token_sum_norm", "algo.correction=tis",
+                    "algo.ps.strategy=uniform"],
+    "rloo_mask_kl": ["algo.advantage=rloo", "algo.aggregation=seq_mean_token_mean", "algo.correction=mask",
+                     "algo.kl_coef=0.1", "algo.ps.strategy=temporal"],
+    "dc_optimized": ["algo.correction=dc", "algo.ps.strategy=optimized", "algo.dc.penalty=hinge"],
+    "dc_heuristic_epochs": ["algo.ps.strategy=heuristic", "algo.ppo_epochs=2", "algo.mini_batches=2",
+                            "algo.dual_clip=3", "algo.micro_batch_tokens=16"],
+    "sgrpo": ["algo.ps.strategy=sgrpo"],
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_updates_every_parameter(variant, tmp_path, tiny_dir):
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, "steps=2", *VARIANTS[variant]))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    history = trainer.run()
+    assert len(history) == 2 and all(math.isfinite(m["loss"]) for m in history)
+    unchanged = [n for n, p in trainer.model.named_parameters() if torch.equal(p, before[n])]
+    assert not unchanged, f"{variant}: parameters that did not change: {unchanged}"
+
+
+@pytest.mark.parametrize("variant", ["grpo", "dc_optimized"])
+def test_reward_rises_on_a_trivially_learnable_task(variant, tmp_path, tiny_dir):
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, "steps=30", *VARIANTS[variant]))
+    rewards = [m["reward/mean"] for m in trainer.run()]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.3 and last > 0.6, rewards
+
+
+def test_graded_pass_sees_only_the_sampled_prefixes(tmp_path, tiny_dir):
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.ps.strategy=uniform", "algo.ps.budget=2"))
+    rollouts = trainer.collect()
+    params = trainer.config.rollout.sampling(seed=0)
+    old = trainer.old_pass(rollouts, params)
+    advantages, weights, _ = trainer.shaped_advantages(rollouts, old)
+    plan = trainer.cutoff_plan(rollouts, old)
+    metrics = trainer.update(rollouts, old, advantages, weights, plan, params)
+    assert metrics["ps/tokens_graded"] == float(plan.cutoffs.sum())
+    assert metrics["ps/tokens_graded"] < 0.8 * metrics["ps/tokens_total"]
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_dir):
+    straight = Trainer(toy_config(tmp_path / "a", tiny_dir, "steps=4", "save_every=2", *VARIANTS["dc_optimized"]))
+    losses = [m["loss"] for m in straight.run()]
+
+    config = toy_config(tmp_path / "b", tiny_dir, "steps=2", "save_every=2", *VARIANTS["dc_optimized"])
+    first = [m["loss"] for m in Trainer(config).run()]
+    resumed = Trainer(toy_config(tmp_path / "b", tiny_dir, "steps=4", "save_every=2", *VARIANTS["dc_optimized"]), resume=True)
+    assert resumed.state.step == 2
+    second = [m["loss"] for m in resumed.run()]
+    assert first + second == pytest.approx(losses, rel=1e-5, abs=1e-7)
+    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_run_directory_and_checkpoint(tmp_path, tiny_dir):
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, "steps=2", "save_every=1", "keep_last=1", "tensorboard=true"))
+    trainer.run()
+    run = tmp_path / "run"
+    assert (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file() and (run / "samples.jsonl").is_file()
+    assert len(list((run / "checkpoints").iterdir())) == 1
+    assert any((run / "plots").glob("*.png"))
+    written = trainer.export(tmp_path / "export")
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(written["hf"]).config.num_hidden_layers == 2
+
+
+def test_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'algo\.dc\.tolerence'; did you mean 'algo\.dc\.tolerance'"):
+        load_config(None, ["algo.dc.tolerence=0.01"])
+    with pytest.raises(ConfigError, match=r"algo\.ps\.budget must be a number"):
+        load_config(None, ["algo.ps.budget=lots"])
+    with pytest.raises(ConfigError, match=r"unknown cutoff strategy 'optimised'.*'optimized'"):
+        load_config(None, ["algo.ps.strategy=optimised"])
+    with pytest.raises(ConfigError, match=r"unknown engine 'llama'"):
+        load_config(None, ["rollout.engine=llama:q4_1"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo:\n  eps_low: 0.2\n  eps_hihg: 0.3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml.*unknown key 'algo\.eps_hihg'; did you mean 'algo\.eps_high'"):
+        load_config(bad)
+    bad.write_text("algo: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: invalid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="exceeds algo.ps.budget"):
+        load_config(None, ["algo.ps.xi_min=0.5", "algo.ps.budget=8"])
+
+
+def test_micro_batches_pack_by_length():
+    assert micro_batches([0, 1, 2, 3], [5, 1, 4, 2], token_budget=6) == [[1, 3], [2], [0]]
+
+
+@pytest.mark.slow
+def test_embedded_default_runs_two_steps(tmp_path):
+    config = load_config(None, ["steps=2", "rollout.max_new_tokens=24", "eval.num_prompts=2", f"output_dir={tmp_path / 'run'}",
+                                "tensorboard=false"])
+    history = Trainer(config).run()
+    assert len(history) == 3 and "eval/pass@1" in history[-1]
+    assert history[0]["dc/mean_D"] > 0 and history[1]["dc/lambda"] >= 0
