@@ -20,7 +20,9 @@ from deployrl.engines import make_engine
 from deployrl.engines.base import SamplingParams, trainer_view
 from deployrl.mismatch import discrepancy_report
 from deployrl.models import load_model, load_tokenizer, resolve_model, token_logprobs
-from deployrl.prompts import arithmetic_prompts, encode_prompts
+from deployrl.config import default_task
+from deployrl.prompts import encode_prompts
+from deployrl.tasks import load_task
 
 ENGINES = "hf:fp32,hf:bf16,hf:fp16,hf:fp8,llamacpp:f16,llamacpp:q8_0,llamacpp:q4_1"
 
@@ -45,7 +47,7 @@ def main() -> None:
     source = resolve_model("smollm2-135m")
     tokenizer = load_tokenizer(source)
     model = load_model(source).eval()
-    prompt_ids = encode_prompts(tokenizer, arithmetic_prompts(args.prompts))
+    prompt_ids = encode_prompts(tokenizer, [e.prompt for e in load_task(default_task()).examples[: args.prompts]])
     params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, seed=0)
     shipped = {k: v.clone() for k, v in model.state_dict().items()}
     perturbed = {

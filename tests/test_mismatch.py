@@ -4,7 +4,7 @@ import pytest
 
 from deployrl.cli import main as cli
 from deployrl.mismatch import MismatchConfig, run
-from deployrl.prompts import load_prompts
+from deployrl.tasks import TaskDataError, load_prompt_file
 
 
 def test_report_on_tiny_model(tiny_dir, tmp_path, capsys):
@@ -31,13 +31,18 @@ def test_fp32_engine_reports_no_discrepancy(tiny_dir):
 def test_bad_prompt_files_name_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"question": "where is the prompt"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: field 'prompt'"):
-        load_prompts(bad)
+    with pytest.raises(TaskDataError, match=r"bad.jsonl:2: field 'prompt'"):
+        load_prompt_file(bad)
     bad.write_text('{"prompt": "ok"}\n{not json\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
-        load_prompts(bad)
-    with pytest.raises(FileNotFoundError, match="prompt file not found"):
-        load_prompts(tmp_path / "none.jsonl")
+    with pytest.raises(TaskDataError, match=r"bad.jsonl:2: not valid JSON"):
+        load_prompt_file(bad)
+    with pytest.raises(TaskDataError, match="none.jsonl: file not found"):
+        load_prompt_file(tmp_path / "none.jsonl")
+    with pytest.raises(TaskDataError, match="prompt files are .jsonl or .txt"):
+        load_prompt_file(tmp_path / "prompts.csv")
+    lines = tmp_path / "p.txt"
+    lines.write_text("first\n\n second \n")
+    assert load_prompt_file(lines) == ["first", "second"]
     with pytest.raises(ValueError, match="unknown engine 'vlm'"):
         MismatchConfig(engine="vlm")
     with pytest.raises(ValueError, match="temperature must be > 0"):

@@ -23,7 +23,7 @@ from deployrl.algo.discrepancy import SIGNALS, discrepancy_summary, token_discre
 from deployrl.engines import make_engine, parse_engine_spec
 from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
 from deployrl.models import DTYPES, load_model, load_tokenizer, resolve_model, token_logprobs
-from deployrl.prompts import arithmetic_prompts, encode_prompts, load_prompts
+from deployrl.prompts import encode_prompts
 from deployrl.registry import unknown_name_error
 
 
@@ -34,7 +34,7 @@ class MismatchConfig:
     model: str = "smollm2-135m"  # model directory, GGUF file, hub id or alias
     engine: str = "llamacpp:q4_1"  # engine spec kind:option
     dtype: str = "fp32"  # the trainer's precision
-    prompts: Optional[str] = None  # .jsonl/.txt prompt file; None: built-in arithmetic questions
+    prompts: Optional[str] = None  # .jsonl/.txt prompt file; None: the embedded default task's questions
     num_prompts: int = 8  # how many prompts (first ones of the file, or generated)
     n: int = 4  # completions per prompt
     max_new_tokens: int = 64
@@ -96,7 +96,13 @@ def _finite(value: torch.Tensor) -> Optional[float]:
 
 
 def run(config: MismatchConfig) -> dict[str, object]:
-    prompts = load_prompts(Path(config.prompts)) if config.prompts else arithmetic_prompts(config.num_prompts, config.seed)
+    from deployrl.config import default_task
+    from deployrl.tasks import load_prompt_file, load_task
+
+    if config.prompts:
+        prompts = load_prompt_file(Path(config.prompts))
+    else:
+        prompts = [e.prompt for e in load_task(default_task()).examples]
     prompts = prompts[: config.num_prompts]
     source = resolve_model(config.model)
     tokenizer = load_tokenizer(source)
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=defaults.model, help="model directory, .gguf file, hub id, or smollm2-135m")
     parser.add_argument("--engine", default=defaults.engine, help="engine spec: hf:{fp32,bf16,fp16,fp8} or llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}")
     parser.add_argument("--dtype", default=defaults.dtype, help="trainer precision: fp32, bf16 or fp16")
-    parser.add_argument("--prompts", default=None, help=".jsonl (prompt or messages per line) or .txt file; default: built-in arithmetic questions")
+    parser.add_argument("--prompts", default=None, help=".jsonl (prompt or messages per line) or .txt file; default: the questions of the embedded training task")
     parser.add_argument("--num-prompts", type=int, default=defaults.num_prompts)
     parser.add_argument("-n", type=int, default=defaults.n, help="completions per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)

@@ -271,11 +271,10 @@ def _record_example(record: Any, where: str, config: TaskConfig, instruction: Op
 
 # --------------------------------------------------------------------------- files
 
-def _load_jsonl(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
-    path = Path(config.path)
+def json_lines(path: Path) -> Iterator[tuple[str, dict]]:
+    """("file:line", object) for each non-empty line of a JSONL file; errors name file and line."""
     if not path.is_file():
-        raise TaskDataError(f"{path}: file not found (task.path)")
-    examples = []
+        raise TaskDataError(f"{path}: file not found")
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -285,10 +284,40 @@ def _load_jsonl(config: TaskConfig, instruction: Optional[str]) -> list[Example]
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise TaskDataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-            examples.append(_record_example(record, where, config, instruction))
-            if config.max_examples is not None and len(examples) >= config.max_examples:
-                break
+            if not isinstance(record, dict):
+                raise TaskDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            yield where, record
+
+
+def _load_jsonl(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
+    examples = []
+    for where, record in json_lines(Path(config.path)):
+        examples.append(_record_example(record, where, config, instruction))
+        if config.max_examples is not None and len(examples) >= config.max_examples:
+            break
     return examples
+
+
+def load_prompt_file(path: Path) -> list[Prompt]:
+    """Prompts without references (for sampling only): ``.jsonl`` with a ``prompt`` string or a
+    ``messages`` chat list per line, or ``.txt`` with one prompt per non-empty line."""
+    path = Path(path)
+    if path.suffix == ".txt":
+        if not path.is_file():
+            raise TaskDataError(f"{path}: file not found")
+        prompts: list[Prompt] = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    elif path.suffix == ".jsonl":
+        prompts = []
+        for where, record in json_lines(path):
+            key = "prompt" if "prompt" in record else "messages"
+            if key not in record:
+                raise TaskDataError(f"{where}: field 'prompt' (a string) or 'messages' (a chat list) is required")
+            prompts.append(_check_prompt(record[key], where, key))
+    else:
+        raise TaskDataError(f"{path}: prompt files are .jsonl or .txt, got {path.suffix or 'no suffix'}")
+    if not prompts:
+        raise TaskDataError(f"{path}: no prompts")
+    return prompts
 
 
 def _load_parquet(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
@@ -499,30 +528,20 @@ def _load_benchmark(config: TaskConfig, instruction: Optional[str]) -> list[Exam
     spec = BENCHMARKS[config.name]
     path = benchmark_file(config.name, config.path)
     examples = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TaskDataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict):
-                raise TaskDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            question = spec.question(record)
-            if not isinstance(question, str) or not question.strip():
-                raise TaskDataError(f"{where}: no question (field 'problem'/'question' missing or empty)")
-            answer = spec.answer(record)
-            if answer is None or (isinstance(answer, str) and not answer.strip()):
-                raise TaskDataError(f"{where}: no reference answer in field {spec.answer_field!r}")
-            if isinstance(answer, float) and answer.is_integer():
-                answer = int(answer)
-            answer = str(answer)
-            source = f"benchmark:{config.name}#{len(examples)}"
-            examples.append(Example(make_prompt(question, instruction, config.system_prompt), answer, source))
-            if config.max_examples is not None and len(examples) >= config.max_examples:
-                break
+    for where, record in json_lines(path):
+        question = spec.question(record)
+        if not isinstance(question, str) or not question.strip():
+            raise TaskDataError(f"{where}: no question (field 'problem'/'question' missing or empty)")
+        answer = spec.answer(record)
+        if answer is None or (isinstance(answer, str) and not answer.strip()):
+            raise TaskDataError(f"{where}: no reference answer in field {spec.answer_field!r}")
+        if isinstance(answer, float) and answer.is_integer():
+            answer = int(answer)
+        answer = str(answer)
+        source = f"benchmark:{config.name}#{len(examples)}"
+        examples.append(Example(make_prompt(question, instruction, config.system_prompt), answer, source))
+        if config.max_examples is not None and len(examples) >= config.max_examples:
+            break
     return examples
 
 
