@@ -37,6 +37,7 @@ VARIANTS = {
     "dc_heuristic_epochs": ["algo.ps.strategy=heuristic", "algo.ppo_epochs=2", "algo.mini_batches=2",
                             "algo.dual_clip=3", "algo.micro_batch_tokens=16"],
     "sgrpo": ["algo.ps.strategy=sgrpo"],
+    "refill": ["algo.dynamic_sampling=refill", "algo.max_refill_rounds=3"],
 }
 
 
@@ -56,6 +57,16 @@ def test_reward_rises_on_a_trivially_learnable_task(variant, tmp_path, tiny_dir)
     rewards = [m["reward/mean"] for m in trainer.run()]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.3 and last > 0.6, rewards
+
+
+def test_dynamic_sampling_drops_and_refills_zero_variance_groups(tmp_path, tiny_dir):
+    for mode in ("drop", "refill"):
+        trainer = Trainer(toy_config(tmp_path / mode, tiny_dir, f"algo.dynamic_sampling={mode}"))
+        rollouts = trainer.collect()
+        assert not bool((rollouts.rewards == rollouts.rewards[:, :1]).all(dim=1).any())
+        sampled = len(rollouts.sampled_rewards)
+        assert sampled == 4 if mode == "drop" else sampled >= 4
+        assert rollouts.batch.completion_ids.shape[0] == 6 * len(rollouts.examples)
 
 
 def test_graded_pass_sees_only_the_sampled_prefixes(tmp_path, tiny_dir):
@@ -128,3 +139,15 @@ def test_embedded_default_runs_two_steps(tmp_path):
     history = Trainer(config).run()
     assert len(history) == 3 and "eval/pass@1" in history[-1]
     assert history[0]["dc/mean_D"] > 0 and history[1]["dc/lambda"] >= 0
+
+
+def test_example_configs_are_valid(tmp_path):
+    from pathlib import Path
+
+    examples = Path(__file__).parents[1] / "examples"
+    arith = load_config(examples / "arith.yaml")
+    assert arith.algo.ps.strategy == "optimized" and arith.task.rg_config["max_digits"] == 1
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n')
+    gsm = load_config(examples / "grpo_gsm8k.yaml", [f"task.path={data}"])
+    assert gsm.algo.correction == "none" and gsm.eval.task.name == "gsm8k"

@@ -63,9 +63,9 @@ class Rollouts:
     examples: list[Example]  # one per group
     rewards: torch.Tensor  # [G, K]
     texts: list[str]  # [B] decoded completions
+    sampled_rewards: torch.Tensor  # [G_sampled, K] every group sampled this step, dropped ones too
     reward_failures: int = 0
     reward_timeouts: int = 0
-    dropped_groups: int = 0
 
 
 @dataclass
@@ -130,9 +130,9 @@ def select_groups(rollouts: Rollouts, keep: torch.Tensor) -> Rollouts:
         examples=[e for e, g in zip(rollouts.examples, keep.tolist()) if g],
         rewards=rollouts.rewards[keep],
         texts=[t for t, r in zip(rollouts.texts, rows.tolist()) if r],
+        sampled_rewards=rollouts.sampled_rewards,
         reward_failures=rollouts.reward_failures,
         reward_timeouts=rollouts.reward_timeouts,
-        dropped_groups=rollouts.dropped_groups + int((~keep).sum()),
     )
 
 
@@ -246,7 +246,7 @@ class Trainer:
         references = [examples[row // k].reference for row in range(len(texts))]
         scores = score_completions(self.task.reward, texts, references)
         rewards = torch.tensor(scores.values, dtype=torch.float32).reshape(len(examples), k)
-        return Rollouts(batch, examples, rewards, texts, scores.failures, scores.timeouts)
+        return Rollouts(batch, examples, rewards, texts, rewards, scores.failures, scores.timeouts)
 
     def collect(self) -> Rollouts:
         """Sample one step's groups; drop (or refill) groups whose rewards are all equal."""
@@ -269,9 +269,9 @@ class Trainer:
                 examples=rollouts.examples + extra.examples,
                 rewards=torch.cat([rollouts.rewards, extra.rewards]),
                 texts=rollouts.texts + extra.texts,
+                sampled_rewards=torch.cat([rollouts.sampled_rewards, extra.sampled_rewards]),
                 reward_failures=rollouts.reward_failures + extra.reward_failures,
                 reward_timeouts=rollouts.reward_timeouts + extra.reward_timeouts,
-                dropped_groups=rollouts.dropped_groups + extra.dropped_groups,
             )
         return rollouts
 
@@ -414,16 +414,15 @@ class Trainer:
 
         rollouts = self.collect()
         lap("rollout")
-        all_rewards = rollouts.rewards
         metrics: dict[str, float] = {
-            "reward/groups_dropped": float(rollouts.dropped_groups),
+            "reward/mean": float(rollouts.sampled_rewards.mean()),
+            "reward/groups_dropped": float(len(rollouts.sampled_rewards) - len(rollouts.rewards)),
             "reward/failures": float(rollouts.reward_failures),
             "reward/timeouts": float(rollouts.reward_timeouts),
             "engine/tokens_per_s": rollouts.batch.timing.get("tokens_per_s", 0.0),
         }
         if rollouts.examples:
             params = cfg.rollout.sampling(seed=0)
-            metrics["reward/mean"] = float(all_rewards.mean())
             metrics["completion/mean_length"] = float(rollouts.batch.lengths.float().mean())
             old = self.old_pass(rollouts, params)
             lap("old_pass")
