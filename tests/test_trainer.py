@@ -151,3 +151,16 @@ def test_example_configs_are_valid(tmp_path):
     data.write_text('{"question": "1+1?", "answer": "2"}\n')
     gsm = load_config(examples / "grpo_gsm8k.yaml", [f"task.path={data}"])
     assert gsm.algo.correction == "none" and gsm.eval.task.name == "gsm8k"
+
+
+def test_eval_command_scores_a_task(tiny_dir, tmp_path, capsys):
+    import json
+
+    from deployrl.cli import main as cli
+
+    out = tmp_path / "scores.json"
+    assert cli(["eval", "--model", str(tiny_dir), "--engine", "hf:fp32", "--task", "basic_arithmetic",
+                "--num-prompts", "3", "--samples", "2", "--max-new-tokens", "4", "--json", str(out)]) == 0
+    assert "basic_arithmetic" in capsys.readouterr().out
+    scores = json.loads(out.read_text())
+    assert scores["problems"] == 3 and 0 <= scores["pass@1"] <= scores["pass@2"] <= 1

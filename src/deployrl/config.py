@@ -35,7 +35,8 @@ EASY_ARITHMETIC = {
 
 def default_task() -> TaskConfig:
     return TaskConfig(
-        type="reasoning_gym", name="basic_arithmetic", rg_config=dict(EASY_ARITHMETIC), size=2000
+        type="reasoning_gym", name="basic_arithmetic", rg_config=dict(EASY_ARITHMETIC), size=2000,
+        instruction="Answer with only the final number.",
     )
 SCHEDULES = ("constant", "cosine")
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
@@ -76,9 +77,9 @@ class RolloutConfig:
     """Sampling in the deployment engine."""
 
     engine: str = "llamacpp:q4_1"  # hf:{fp32,bf16,fp16,fp8} or llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}
-    prompts_per_step: int = 2  # prompt groups per training step
+    prompts_per_step: int = 4  # prompt groups per training step
     group_size: int = 8  # completions per prompt (K)
-    max_new_tokens: int = 96
+    max_new_tokens: int = 32
     temperature: float = 1.0
     top_p: float = 1.0  # 1 = off, the training default
     top_k: int = 0  # 0 = off, the training default
@@ -105,8 +106,8 @@ class DCConfig:
     signal: str = "diff"  # diff |p_old - p_inf|, ratio |p_old/p_inf - 1|, log |logp_old - logp_inf|
     penalty: str = "full"  # full: A - lambda*delta; hinge: A - lambda*max(0, delta - tolerance)
     tolerance: Optional[float] = None  # c; None: relative_tolerance x the discrepancy of the first batch
-    relative_tolerance: float = 0.8  # c = this x mean D measured before the first update
-    lr: float = 20.0  # eta, the dual step size
+    relative_tolerance: float = 2.0  # c = this x mean D measured before the first update
+    lr: float = 5.0  # eta, the dual step size
     lam_init: float = 0.0  # lambda_0
     lam_max: float = 10.0
 
@@ -127,7 +128,7 @@ class PSConfig:
     """PS-PPO: which tokens the graded pass backpropagates."""
 
     strategy: str = "optimized"  # full, uniform, temporal, heuristic, optimized, sgrpo
-    budget: float = 32.0  # B: expected backpropagated tokens per completion
+    budget: float = 16.0  # B: expected backpropagated tokens per completion
     xi_min: float = 0.02  # smallest inclusion probability; xi_min x max_new_tokens <= budget
     uncertainty: str = "tv"  # distance for the reward uncertainty u: tv or l2
 
@@ -184,7 +185,7 @@ class AlgoConfig:
 class OptimConfig:
     """AdamW with gradient clipping and a warmup + cosine (or constant) schedule."""
 
-    lr: float = 2e-5
+    lr: float = 5e-5
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.99
