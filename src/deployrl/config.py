@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from deployrl.algo._checks import check_non_negative, check_positive
 from deployrl.algo.advantages import ADVANTAGES
 from deployrl.algo.discrepancy import CORRECTIONS, PENALTIES, SIGNALS
 from deployrl.algo.losses import AGGREGATIONS, KL_ESTIMATORS
@@ -47,16 +48,6 @@ def _choice(kind: str, value: str, valid) -> None:
         raise unknown_name_error(kind, value, list(valid))
 
 
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-
-
-def _non_negative(name: str, value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """The trainer's model."""
@@ -69,7 +60,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _choice("training dtype", self.dtype, DTYPES)
-        _positive("chunk_tokens", self.chunk_tokens)
+        check_positive("chunk_tokens", self.chunk_tokens)
 
 
 @dataclass(frozen=True)
@@ -87,7 +78,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         parse_engine_spec(self.engine)
-        _positive("prompts_per_step", self.prompts_per_step)
+        check_positive("prompts_per_step", self.prompts_per_step)
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (group-relative advantages), got {self.group_size}")
         self.sampling(seed=0)
@@ -115,10 +106,10 @@ class DCConfig:
         _choice("discrepancy signal", self.signal, SIGNALS.names())
         _choice("discrepancy penalty", self.penalty, PENALTIES)
         if self.tolerance is not None:
-            _non_negative("tolerance", self.tolerance)
-        _positive("relative_tolerance", self.relative_tolerance)
-        _positive("lr", self.lr)
-        _positive("lam_max", self.lam_max)
+            check_non_negative("tolerance", self.tolerance)
+        check_positive("relative_tolerance", self.relative_tolerance)
+        check_positive("lr", self.lr)
+        check_positive("lam_max", self.lam_max)
         if not 0 <= self.lam_init <= self.lam_max:
             raise ValueError(f"lam_init must lie in [0, lam_max={self.lam_max}], got {self.lam_init}")
 
@@ -134,7 +125,7 @@ class PSConfig:
 
     def __post_init__(self) -> None:
         _choice("cutoff strategy", self.strategy, STRATEGIES.names())
-        _positive("budget", self.budget)
+        check_positive("budget", self.budget)
         if not 0 < self.xi_min <= 1:
             raise ValueError(f"xi_min must lie in (0, 1], got {self.xi_min}")
         _choice("uncertainty metric", self.uncertainty, UNCERTAINTY_METRICS)
@@ -167,18 +158,18 @@ class AlgoConfig:
         _choice("KL estimator", self.kl_estimator, KL_ESTIMATORS.names())
         _choice("mismatch correction", self.correction, CORRECTION_CHOICES)
         _choice("dynamic sampling mode", self.dynamic_sampling, DYNAMIC_SAMPLING)
-        _non_negative("eps_low", self.eps_low)
-        _non_negative("eps_high", self.eps_high)
+        check_non_negative("eps_low", self.eps_low)
+        check_non_negative("eps_high", self.eps_high)
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-        _non_negative("kl_coef", self.kl_coef)
+        check_non_negative("kl_coef", self.kl_coef)
         if self.correction == "mask" and not self.correction_cap > 1:
             raise ValueError(f"correction_cap must be > 1 for the mask band, got {self.correction_cap}")
-        _positive("correction_cap", self.correction_cap)
-        _positive("ppo_epochs", self.ppo_epochs)
-        _positive("mini_batches", self.mini_batches)
-        _positive("micro_batch_tokens", self.micro_batch_tokens)
-        _non_negative("max_refill_rounds", self.max_refill_rounds)
+        check_positive("correction_cap", self.correction_cap)
+        check_positive("ppo_epochs", self.ppo_epochs)
+        check_positive("mini_batches", self.mini_batches)
+        check_positive("micro_batch_tokens", self.micro_batch_tokens)
+        check_non_negative("max_refill_rounds", self.max_refill_rounds)
 
 
 @dataclass(frozen=True)
@@ -195,10 +186,10 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
-        _positive("lr", self.lr)
-        _non_negative("weight_decay", self.weight_decay)
-        _non_negative("grad_clip", self.grad_clip)
-        _non_negative("warmup_steps", self.warmup_steps)
+        check_positive("lr", self.lr)
+        check_non_negative("weight_decay", self.weight_decay)
+        check_non_negative("grad_clip", self.grad_clip)
+        check_non_negative("warmup_steps", self.warmup_steps)
         _choice("lr schedule", self.schedule, SCHEDULES)
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
@@ -218,10 +209,10 @@ class EvalConfig:
     task: Optional[TaskConfig] = None  # None: held-out examples of the training task
 
     def __post_init__(self) -> None:
-        _non_negative("every", self.every)
-        _non_negative("num_prompts", self.num_prompts)
-        _positive("samples", self.samples)
-        _positive("temperature", self.temperature)
+        check_non_negative("every", self.every)
+        check_non_negative("num_prompts", self.num_prompts)
+        check_positive("samples", self.samples)
+        check_positive("temperature", self.temperature)
 
 
 @dataclass(frozen=True)
@@ -244,10 +235,10 @@ class TrainConfig:
     wandb: bool = False  # only if wandb is installed
 
     def __post_init__(self) -> None:
-        _positive("steps", self.steps)
-        _positive("save_every", self.save_every)
-        _positive("keep_last", self.keep_last)
-        _non_negative("log_samples", self.log_samples)
+        check_positive("steps", self.steps)
+        check_positive("save_every", self.save_every)
+        check_positive("keep_last", self.keep_last)
+        check_non_negative("log_samples", self.log_samples)
         if self.algo.ps.strategy != "full" and self.algo.ps.xi_min * self.rollout.max_new_tokens > self.algo.ps.budget:
             raise ValueError(
                 f"algo.ps.xi_min={self.algo.ps.xi_min} x rollout.max_new_tokens={self.rollout.max_new_tokens}"
