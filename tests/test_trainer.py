@@ -69,6 +69,16 @@ def test_dynamic_sampling_drops_and_refills_zero_variance_groups(tmp_path, tiny_
         assert rollouts.batch.completion_ids.shape[0] == 6 * len(rollouts.examples)
 
 
+def test_overlong_shaping_lowers_the_reward_of_long_completions(tmp_path, tiny_dir):
+    plain = Trainer(toy_config(tmp_path / "a", tiny_dir, "algo.dynamic_sampling=off"))
+    shaped = Trainer(toy_config(tmp_path / "b", tiny_dir, "algo.dynamic_sampling=off", "algo.overlong_buffer=4"))
+    a, b = plain.collect(), shaped.collect()  # same seeds: the same completions
+    assert torch.equal(a.batch.completion_ids, b.batch.completion_ids)
+    lengths = a.batch.lengths.reshape(a.rewards.shape).float()
+    expected = a.rewards - ((lengths - 2) / 4).clamp(0, 1)  # max_new_tokens 6, buffer 4
+    torch.testing.assert_close(b.rewards, expected)
+
+
 def test_graded_pass_sees_only_the_sampled_prefixes(tmp_path, tiny_dir):
     trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.ps.strategy=uniform", "algo.ps.budget=2"))
     rollouts = trainer.collect()

@@ -146,6 +146,7 @@ class AlgoConfig:
     correction_cap: float = 2.0  # C of tis (weight cap) and mask (ratio band [1/C, C])
     dynamic_sampling: str = "drop"  # off; drop zero-variance groups; refill them with new prompts
     max_refill_rounds: int = 2  # refill: extra sampling rounds per step at most
+    overlong_buffer: int = 0  # DAPO soft overlong punishment over the last N tokens before max_new_tokens; 0 = off
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
     micro_batch_tokens: int = 2048  # prompt + kept tokens per forward/backward
@@ -170,6 +171,7 @@ class AlgoConfig:
         check_positive("mini_batches", self.mini_batches)
         check_positive("micro_batch_tokens", self.micro_batch_tokens)
         check_non_negative("max_refill_rounds", self.max_refill_rounds)
+        check_non_negative("overlong_buffer", self.overlong_buffer)
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,10 @@ class TrainConfig:
         check_positive("save_every", self.save_every)
         check_positive("keep_last", self.keep_last)
         check_non_negative("log_samples", self.log_samples)
+        if self.algo.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algo.overlong_buffer={self.algo.overlong_buffer} exceeds rollout.max_new_tokens={self.rollout.max_new_tokens}"
+            )
         if self.algo.ps.strategy != "full" and self.algo.ps.xi_min * self.rollout.max_new_tokens > self.algo.ps.budget:
             raise ValueError(
                 f"algo.ps.xi_min={self.algo.ps.xi_min} x rollout.max_new_tokens={self.rollout.max_new_tokens}"

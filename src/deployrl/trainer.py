@@ -50,7 +50,7 @@ from deployrl.engines import make_engine
 from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
 from deployrl.models import completion_hidden, load_model, load_tokenizer, output_head, resolve_model, token_logprobs
 from deployrl.prompts import encode_prompts
-from deployrl.rewards import score_completions
+from deployrl.rewards import overlong_penalty, score_completions
 from deployrl.runlog import RunLogger, format_postfix, progress
 from deployrl.tasks import Example, Task, load_task
 
@@ -245,7 +245,13 @@ class Trainer:
         k = params.n
         references = [examples[row // k].reference for row in range(len(texts))]
         scores = score_completions(self.task.reward, texts, references)
-        rewards = torch.tensor(scores.values, dtype=torch.float32).reshape(len(examples), k)
+        values = scores.values
+        if self.config.algo.overlong_buffer:  # DAPO: soft punishment of completions near the limit
+            values = [
+                v + overlong_penalty(int(n), params.max_new_tokens, self.config.algo.overlong_buffer)
+                for v, n in zip(values, batch.lengths)
+            ]
+        rewards = torch.tensor(values, dtype=torch.float32).reshape(len(examples), k)
         return Rollouts(batch, examples, rewards, texts, rewards, scores.failures, scores.timeouts)
 
     def collect(self) -> Rollouts:
