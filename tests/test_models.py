@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deployrl.algo.logprobs import SamplingView, processed_logits
-from deployrl.models import load_model, load_tokenizer, resolve_model, token_logprobs
+from deployrl.models import load_model, resolve_model, token_logprobs
 
 
 def naive_logprobs(model, prompts, completions, mask, view):
