@@ -324,7 +324,7 @@ class Trainer:
             weights = correction_weights(algo.correction, old.logp, batch.logp_inf, algo.correction_cap) * mask
         return advantages, weights, metrics
 
-    def cutoff_plan(self, rollouts: Rollouts, old: OldPass) -> PrefixPlan:
+    def cutoff_plan(self, rollouts: Rollouts, old: OldPass, params: SamplingParams) -> PrefixPlan:
         """The PS-PPO plan: which prefix of each completion the graded pass backpropagates."""
         ps, batch = self.config.algo.ps, rollouts.batch
         k, mask = batch.group_size, batch.mask
@@ -334,7 +334,7 @@ class Trainer:
             head = output_head(self.model).detach()
             u = torch.stack([
                 reward_uncertainty(old.hidden[g * k:(g + 1) * k], head, mask[g * k:(g + 1) * k],
-                                   success[g * k:(g + 1) * k], ps.uncertainty)
+                                   success[g * k:(g + 1) * k], ps.uncertainty, trainer_view(batch.semantics, params))
                 for g in range(len(rollouts.examples))
             ])  # [G, T]
             token_weights = old.grad_norm * u.repeat_interleave(k, dim=0)
@@ -434,7 +434,7 @@ class Trainer:
             lap("old_pass")
             advantages, weights, dc_metrics = self.shaped_advantages(rollouts, old)
             metrics.update(dc_metrics)
-            plan = self.cutoff_plan(rollouts, old)
+            plan = self.cutoff_plan(rollouts, old, params)
             lap("plan")
             metrics.update(self.update(rollouts, old, advantages, weights, plan, params))
             lap("update")

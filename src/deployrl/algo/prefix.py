@@ -36,6 +36,7 @@ import torch
 from scipy.optimize import isotonic_regression
 
 from deployrl.algo._checks import check_ndim, check_positive, check_same_shape
+from deployrl.algo.logprobs import RAW, SamplingView, processed_logits
 from deployrl.registry import Registry, unknown_name_error
 
 ShapeFn = Callable[[np.ndarray, Optional[np.ndarray]], np.ndarray]
@@ -231,14 +232,14 @@ def reward_uncertainty(
     mask: torch.Tensor,
     success: torch.Tensor,
     metric: str = "tv",
-    temperature: float = 1.0,
+    view: SamplingView = RAW,
     chunk_size: int = 64,
 ) -> torch.Tensor:
     """u [T]: distance between the mean next-token distributions of successful and
     unsuccessful completions of one group, at each position.
 
     hidden [K, T, D] final hidden states, head_weight [V, D], mask [K, T], success [K] bool.
-    Distributions are softmax(h W^T / temperature), averaged over each class's completions
+    Distributions are softmax(h W^T) processed by `view` (the sampling semantics), averaged over each class's completions
     alive at t. Only [K, chunk_size, V] probabilities exist at a time, never [K, T, V].
     Where one class has no completion alive, u carries the last defined value forward
     (depth beyond the evidence: assume the uncertainty is unchanged); a group with an empty
@@ -252,7 +253,6 @@ def reward_uncertainty(
             f"hidden {list(hidden.shape)}, mask {list(mask.shape)} and success {list(success.shape)}"
             " must be [K, T, D], [K, T] and [K]"
         )
-    check_positive("temperature", temperature)
     length = hidden.shape[1]
     alive = mask.to(torch.float32)
     classes = torch.stack([success, ~success]).to(torch.float32)  # [2, K]
@@ -260,8 +260,8 @@ def reward_uncertainty(
     with torch.no_grad():
         for start in range(0, length, chunk_size):
             stop = min(start + chunk_size, length)
-            logits = hidden[:, start:stop].float() @ head_weight.float().T / temperature  # [K, C, V]
-            probs = logits.softmax(dim=-1)
+            logits = hidden[:, start:stop].float() @ head_weight.float().T  # [K, C, V]
+            probs = processed_logits(logits, view).softmax(dim=-1)
             members = classes[:, :, None] * alive[None, :, start:stop]  # [2, K, C]
             counts = members.sum(dim=1)  # [2, C]
             means = torch.einsum("jkc,kcv->jcv", members, probs) / counts.clamp(min=1)[..., None]
