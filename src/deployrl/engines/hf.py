@@ -98,7 +98,7 @@ def to_fp8(model: nn.Module) -> nn.Module:
     use_scaled_mm = scaled_mm_runs(device)
     if device.type == "cuda" and not use_scaled_mm:
         warnings.warn("no FP8 matmul on this GPU: the fp8 engine dequantises its weights (W8A16)")
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child is not head:
                 setattr(module, child_name, FP8Linear(child, use_scaled_mm))
