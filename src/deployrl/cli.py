@@ -28,11 +28,14 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
         help="sample with a deployment engine, recompute with the trainer, report the discrepancy",
     )
+    commands.add_parser("bench", add_help=False, help="benchmarks: update-phase speed/memory, gradient variance, whole steps")
     args, rest = parser.parse_known_args(argv)
     if args.command == "train":
         from deployrl.train_cli import main as command
     elif args.command == "eval":
         from deployrl.evaluate import main as command
+    elif args.command == "bench":
+        from deployrl.bench import main as command
     elif args.command == "selfcheck":
         from deployrl.selfcheck import main as command
     else:

@@ -203,6 +203,7 @@ class EvalConfig:
     """Periodic evaluation in the deployment engine."""
 
     every: int = 0  # steps between evaluations; 0 = only at the end (if num_prompts > 0)
+    before_training: bool = False  # also evaluate the initial model (logged at step 0)
     num_prompts: int = 16  # problems per evaluation (the first ones of the task)
     samples: int = 1  # completions per problem (k of avg@k / pass@k)
     temperature: float = 1.0

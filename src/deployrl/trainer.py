@@ -462,6 +462,10 @@ class Trainer:
         history = []
         bar = progress(cfg.steps, initial=self.state.step)
         try:
+            if cfg.eval.before_training and cfg.eval.num_prompts and self.state.step == 0:
+                initial = {f"eval/{k}": v for k, v in self.evaluate().items()}
+                self.logger.log(0, initial)
+                history.append(initial)
             while self.state.step < cfg.steps:
                 metrics = self.step()
                 if cfg.eval.every and self.state.step % cfg.eval.every == 0:

@@ -1,0 +1,29 @@
+"""`deployrl bench`: speed, memory and estimator-quality benchmarks, printed side by side.
+
+    deployrl bench update     update-phase time and peak memory per method and completion length
+    deployrl bench variance   gradient variance and cosine to the full gradient per cutoff strategy
+    deployrl bench step       whole training steps of deployrl (and TRL's GRPOTrainer with --vs trl)
+
+Benchmarks print tables of ratios measured in one run; they are never timed tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+COMMANDS = {
+    "update": ("deployrl.bench.update", "update-phase wall time and peak memory: full GRPO, DAPO, S-GRPO, PS-PPO"),
+    "variance": ("deployrl.bench.variance", "gradient variance and cosine similarity per cutoff strategy and budget"),
+    "step": ("deployrl.bench.step", "seconds and peak memory per training step, optionally against TRL"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deployrl bench", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", metavar="benchmark", required=True)
+    for name, (_, help_text) in COMMANDS.items():
+        commands.add_parser(name, add_help=False, help=help_text)
+    args, rest = parser.parse_known_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return module.main(rest)
