@@ -44,7 +44,7 @@ from deployrl.algo.logprobs import chunked_token_stats
 from deployrl.algo.losses import policy_loss
 from deployrl.algo.prefix import PrefixPlan, cutoff_law, grad_norm_proxy, reward_uncertainty, sample_plan
 from deployrl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
-from deployrl.config import TrainConfig
+from deployrl.config import PSConfig, TrainConfig
 from deployrl.configio import to_dict
 from deployrl.engines import make_engine
 from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
@@ -282,15 +282,18 @@ class Trainer:
         return rollouts
 
     @torch.no_grad()
-    def old_pass(self, rollouts: Rollouts, params: SamplingParams) -> OldPass:
-        """logp_old (and logp_ref, proxies) over the full completions, in chunks."""
+    def old_pass(self, rollouts: Rollouts, params: SamplingParams, strategies: tuple[str, ...] = ()) -> OldPass:
+        """logp_old (and logp_ref, proxies) over the full completions, in chunks.
+
+        Keeps the proxies the cutoff `strategies` need (default: the configured strategy's).
+        """
         batch, cfg = rollouts.batch, self.config
         view = trainer_view(batch.semantics, params)
-        strategy = cfg.algo.ps.strategy
+        strategies = strategies or (cfg.algo.ps.strategy,)
         hidden = completion_hidden(self.model, batch.prompt_ids, batch.completion_ids, batch.mask)
         stats = chunked_token_stats(
             hidden, output_head(self.model), batch.completion_ids, batch.mask, view, cfg.model.chunk_tokens,
-            with_stats=strategy in ("heuristic", "optimized"),
+            with_stats=bool({"heuristic", "optimized"} & set(strategies)),
         )
         logp_ref = None
         if self.ref_model is not None:
@@ -298,9 +301,9 @@ class Trainer:
                 self.ref_model, batch.prompt_ids, batch.completion_ids, batch.mask, view, cfg.model.chunk_tokens
             ).logp
         out = OldPass(logp=stats.logp, logp_ref=logp_ref)
-        if strategy == "heuristic":
+        if "heuristic" in strategies:
             out.entropy = stats.entropy
-        if strategy == "optimized":
+        if "optimized" in strategies:
             out.grad_norm = grad_norm_proxy(stats.logp, stats.sum_p2, stats.hidden_norm)
             out.hidden = hidden
         return out
@@ -324,12 +327,14 @@ class Trainer:
             weights = correction_weights(algo.correction, old.logp, batch.logp_inf, algo.correction_cap) * mask
         return advantages, weights, metrics
 
-    def cutoff_plan(self, rollouts: Rollouts, old: OldPass, params: SamplingParams) -> PrefixPlan:
-        """The PS-PPO plan: which prefix of each completion the graded pass backpropagates."""
-        ps, batch = self.config.algo.ps, rollouts.batch
+    def cutoff_law(self, rollouts: Rollouts, old: OldPass, params: SamplingParams, ps: Optional[PSConfig] = None) -> torch.Tensor:
+        """xi [G, T], the cutoff law of each group under `ps` (default: the configured one)."""
+        ps, batch = ps or self.config.algo.ps, rollouts.batch
         k, mask = batch.group_size, batch.mask
-        token_weights = old.entropy
-        if old.grad_norm is not None:
+        token_weights = None
+        if ps.strategy == "heuristic":
+            token_weights = old.entropy
+        elif ps.strategy == "optimized":
             success = (rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)).reshape(-1)  # [B]
             head = output_head(self.model).detach()
             u = torch.stack([
@@ -338,8 +343,12 @@ class Trainer:
                 for g in range(len(rollouts.examples))
             ])  # [G, T]
             token_weights = old.grad_norm * u.repeat_interleave(k, dim=0)
-        xi = cutoff_law(ps.strategy, mask, k, ps.budget, ps.xi_min, token_weights)
-        return sample_plan(ps.strategy, xi, mask, self.generator)
+        return cutoff_law(ps.strategy, mask, k, ps.budget, ps.xi_min, token_weights)
+
+    def cutoff_plan(self, rollouts: Rollouts, old: OldPass, params: SamplingParams) -> PrefixPlan:
+        """The PS-PPO plan: which prefix of each completion the graded pass backpropagates."""
+        strategy = self.config.algo.ps.strategy
+        return sample_plan(strategy, self.cutoff_law(rollouts, old, params), rollouts.batch.mask, self.generator)
 
     def update(
         self, rollouts: Rollouts, old: OldPass, advantages: torch.Tensor, weights: torch.Tensor,

@@ -1,0 +1,259 @@
+"""`deployrl bench variance`: how good is each cutoff law's gradient at an equal token budget?
+
+On real rollouts of the run's model and engine (any `deployrl train` config plus overrides), for
+each cutoff strategy and budget B it reports
+
+* the relative variance E||G_hat - G||^2 / ||G||^2 of the prefix-sampled gradient G_hat around
+  the full-trajectory gradient G, exactly (closed form below) and by Monte Carlo over the
+  trainer's own cutoff draws;
+* the mean cosine similarity cos(G_hat, G) over those draws;
+* the tokens kept per completion.
+
+The gradient is that of the trainer's loss at the sampling policy with respect to the output
+head W [V, D], through the head (for tied embeddings the input-embedding path is left out). Its
+per-token pieces are g_t = a_t (e_{o_t} - p_t) h_t^T with a_t = d loss / d logp_t, so every
+inner product g_s . g_t is known without forming a [V, D] matrix per token:
+
+    g_s . g_t = a_s a_t (h_s . h_t) ([o_s = o_t] - p_s(o_t) - p_t(o_s) + p_s . p_t).
+
+With those N x N inner products K, a draw with unbiasing weights c [N] (0 where dropped) has
+G_hat - G = sum_t (c_t - 1) g_t, so ||G_hat - G||^2 = (c - 1)^T K (c - 1) and
+cos = c^T K 1 / sqrt(c^T K c * 1^T K 1). For a prefix law (one U per completion, token t kept
+iff U <= xi_t, xi non-increasing) E[(c_s - 1)(c_t - 1)] = 1 / max(xi_s, xi_t) - 1 for two
+tokens of one completion and 0 across completions; for S-GRPO's independent tokens it is
+(1 / xi_t - 1) on the diagonal only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from deployrl.algo.logprobs import SamplingView, processed_logits
+from deployrl.algo.losses import policy_loss
+from deployrl.algo.prefix import STRATEGIES, sample_plan
+from deployrl.bench.measure import table
+
+BUDGETS = (32, 64, 128, 256)
+SAMPLED = ("uniform", "temporal", "heuristic", "optimized", "sgrpo")
+# Long completions with a reward that SmolLM2-135M sometimes earns: three two-digit terms,
+# worked step by step. Any of these can be overridden like a `deployrl train` run.
+DEFAULTS = (
+    "task.instruction=Solve it step by step and end with the final number.",
+    "task.rg_config={min_terms: 3, max_terms: 3, min_digits: 2, max_digits: 2, operators: ['+', '-'],"
+    " allow_parentheses: false, allow_negation: false}",
+    "rollout.max_new_tokens=256",
+    "algo.correction=none",
+    "algo.dynamic_sampling=drop",
+    "algo.ps.xi_min=0.01",
+    "tensorboard=false",
+    "eval.num_prompts=0",
+)
+
+
+def head_gradient_gram(
+    hidden: torch.Tensor, head: torch.Tensor, tokens: torch.Tensor, coef: torch.Tensor,
+    view: SamplingView, chunk: int = 512,
+) -> torch.Tensor:
+    """K [N, N] float64: inner products of the per-token output-head gradients g_t.
+
+    hidden [N, D] the states that predict tokens [N] (long) through head [V, D]; coef [N] = a_t.
+    Probabilities are recomputed per chunk of `chunk` tokens, so no [N, V] tensor is held.
+    """
+    n = hidden.shape[0]
+    starts = list(range(0, n, chunk))
+
+    def probs(start: int) -> torch.Tensor:  # [c, V]
+        return processed_logits(hidden[start:start + chunk] @ head.T, view).softmax(dim=-1)
+
+    overlap = torch.empty(n, n, dtype=torch.float64)  # (e_s - p_s) . (e_t - p_t)
+    for i in starts:
+        p_i = probs(i)
+        rows = slice(i, i + chunk)
+        for j in starts:
+            p_j = p_i if j == i else probs(j)
+            cols = slice(j, j + chunk)
+            block = (p_i @ p_j.T).double()
+            block -= p_i[:, tokens[cols]].double()  # p_s(o_t)
+            block -= p_j[:, tokens[rows]].double().T  # p_t(o_s)
+            block += (tokens[rows, None] == tokens[None, cols]).double()
+            overlap[rows, cols] = block
+    states = hidden.double()
+    a = coef.double()
+    return overlap * (states @ states.T) * (a[:, None] * a[None, :])
+
+
+def exact_variance(gram: torch.Tensor, xi: torch.Tensor, row: torch.Tensor, independent: bool) -> float:
+    """E||G_hat - G||^2 for inclusion probabilities xi [N] of tokens in completions row [N]."""
+    xi = xi.double()
+    if independent:
+        return float(((1 / xi - 1) * gram.diagonal()).sum())
+    same = row[:, None] == row[None, :]
+    cov = torch.where(same, 1 / torch.maximum(xi[:, None], xi[None, :]) - 1, torch.zeros((), dtype=torch.float64))
+    return float((cov * gram).sum())
+
+
+def draw_errors(gram: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(||G_hat - G||^2 [R], cos(G_hat, G) [R]) for R draws of unbiasing weights [R, N]."""
+    c = weights.double()
+    full = gram.sum(dim=1)  # K 1
+    err = c - 1
+    sq_error = ((err @ gram) * err).sum(dim=1)
+    norm_hat = ((c @ gram) * c).sum(dim=1).clamp(min=0).sqrt()
+    cosine = (c @ full) / (norm_hat * full.sum().sqrt()).clamp(min=1e-300)
+    return sq_error, cosine
+
+
+def loss_coefficients(trainer, rollouts, old, advantages, weights) -> torch.Tensor:
+    """a [B, T] = d loss / d logp_t at the sampling policy, for the trainer's own loss."""
+    algo, mask = trainer.config.algo, rollouts.batch.mask
+    logp = old.logp.clone().requires_grad_(True)
+    count = mask.sum() if algo.aggregation == "token_mean" else mask.shape[0]
+    out = policy_loss(
+        logp, old.logp, advantages, mask, weights, eps_low=algo.eps_low, eps_high=algo.eps_high,
+        dual_clip=algo.dual_clip, aggregation=algo.aggregation, max_length=trainer.config.rollout.max_new_tokens,
+        denominator=count,
+    )
+    (grad,) = torch.autograd.grad(out.loss, logp)
+    return grad
+
+
+def collect_groups(trainer, groups: int, max_rounds: int):
+    """Sample steps until `groups` prompt groups with unequal rewards are gathered."""
+    from deployrl.trainer import Rollouts, cat_rollouts
+
+    parts = []
+    for _ in range(max_rounds):
+        parts.append(trainer.collect())
+        trainer.state.step += 1  # new prompts and seeds
+        if sum(len(p.examples) for p in parts) >= groups:
+            break
+    parts = [p for p in parts if p.examples]
+    if not parts:
+        raise SystemExit(f"no prompt group with unequal rewards in {max_rounds} rounds: the gradient is zero")
+    return Rollouts(
+        batch=cat_rollouts([p.batch for p in parts]),
+        examples=[e for p in parts for e in p.examples],
+        rewards=torch.cat([p.rewards for p in parts]),
+        texts=[t for p in parts for t in p.texts],
+        sampled_rewards=torch.cat([p.sampled_rewards for p in parts]),
+    )
+
+
+def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: int, seed: int) -> dict:
+    """All the benchmark's numbers for one trainer (model, engine, task)."""
+    from deployrl.engines.base import trainer_view
+    from deployrl.models import output_head
+
+    cfg = trainer.config
+    rollouts = collect_groups(trainer, groups, max_rounds)
+    batch = rollouts.batch
+    params = cfg.rollout.sampling(seed=0)
+    old = trainer.old_pass(rollouts, params, strategies=("heuristic", "optimized"))
+    advantages, weights, _ = trainer.shaped_advantages(rollouts, old)
+    coef = loss_coefficients(trainer, rollouts, old, advantages, weights)
+    real = batch.mask.bool()
+    row = torch.arange(real.shape[0])[:, None].expand_as(real)[real]
+    with torch.no_grad():
+        gram = head_gradient_gram(
+            old.hidden[real], output_head(trainer.model).detach(), batch.completion_ids[real], coef[real],
+            trainer_view(batch.semantics, params),
+        )
+    full_sq = float(gram.sum())
+    lengths = batch.mask.sum(dim=1).float()
+    generator = torch.Generator().manual_seed(seed)
+    results = []
+    for budget in budgets:
+        for strategy in strategies:
+            ps = replace(cfg.algo.ps, strategy=strategy, budget=float(budget))
+            xi_groups = trainer.cutoff_law(rollouts, old, params, ps)
+            xi = xi_groups.repeat_interleave(batch.group_size, dim=0)[real]
+            independent = STRATEGIES.get(strategy).independent_tokens
+            plans = [sample_plan(strategy, xi_groups, batch.mask, generator) for _ in range(draws)]
+            sq_error, cosine = draw_errors(gram, torch.stack([p.weights[real] for p in plans]))
+            kept = torch.stack([p.keep.sum(dim=1).float() for p in plans]).mean()
+            results.append({
+                "budget": budget, "strategy": strategy,
+                "rel_variance": exact_variance(gram, xi, row, independent) / full_sq,
+                "rel_variance_mc": float(sq_error.mean()) / full_sq,
+                "rel_variance_mc_se": float(sq_error.std() / math.sqrt(draws)) / full_sq,
+                "cosine": float(cosine.mean()),
+                "kept_per_completion": float(kept) / real.shape[0],
+            })
+    return {
+        "completions": int(real.shape[0]), "groups": len(rollouts.examples), "tokens": int(real.sum()),
+        "mean_length": float(lengths.mean()), "max_length": int(lengths.max()),
+        "reward_mean": float(rollouts.rewards.mean()), "draws": draws, "results": results,
+    }
+
+
+def report(numbers: dict, budgets, strategies) -> str:
+    by = {(r["budget"], r["strategy"]): r for r in numbers["results"]}
+    headers = ["strategy"] + [f"B={b}" for b in budgets]
+    variance = [["full"] + [0.0] * len(budgets)] + [
+        [s] + [f"{by[b, s]['rel_variance']:.3f} ({by[b, s]['rel_variance_mc']:.3f}±{by[b, s]['rel_variance_mc_se']:.3f})"
+               for b in budgets] for s in strategies
+    ]
+    cosine = [["full"] + [1.0] * len(budgets)] + [[s] + [by[b, s]["cosine"] for b in budgets] for s in strategies]
+    kept = [["full"] + [numbers["mean_length"]] * len(budgets)] + [
+        [s] + [by[b, s]["kept_per_completion"] for b in budgets] for s in strategies
+    ]
+    return "\n\n".join([
+        "Relative variance E||G_hat - G||^2 / ||G||^2, exact (Monte Carlo ± s.e.):\n" + table(headers, variance),
+        "Mean cosine similarity to the full-trajectory gradient:\n" + table(headers, cosine),
+        "Tokens kept per completion (mean over draws):\n" + table(headers, kept),
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="deployrl bench variance",
+        description=(
+            "Gradient variance and cosine similarity to the full-trajectory gradient of each cutoff law"
+            " (uniform, temporal, heuristic, optimized, S-GRPO) at equal token budgets, on real rollouts of"
+            " a run's model and engine. The gradient is the loss's gradient with respect to the output-head"
+            " matrix, computed exactly from per-token inner products (see the module docstring)."
+        ),
+    )
+    parser.add_argument("items", nargs="*", metavar="[config.yaml] [key=value ...]",
+                        help="a `deployrl train` config and overrides (default: the embedded model and engine on"
+                             " three-term two-digit arithmetic, worked step by step, up to 256 tokens)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS), help="token budgets B per completion")
+    parser.add_argument("--strategies", nargs="+", default=list(SAMPLED), choices=list(SAMPLED))
+    parser.add_argument("--groups", type=int, default=4, help="prompt groups with unequal rewards to gather")
+    parser.add_argument("--max-rounds", type=int, default=8, help="sampling steps at most to gather them")
+    parser.add_argument("--draws", type=int, default=512, help="cutoff draws per strategy and budget")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write every number as JSON")
+    args = parser.parse_args(argv)
+
+    from deployrl.config import load_config
+    from deployrl.trainer import Trainer
+
+    path = None
+    overrides = list(args.items)
+    if overrides and "=" not in overrides[0]:
+        path = Path(overrides.pop(0))
+    with tempfile.TemporaryDirectory() as run_dir:
+        config = load_config(path, [*DEFAULTS, f"output_dir={run_dir}", *overrides])
+        trainer = Trainer(config)
+        numbers = measure(trainer, args.budgets, args.strategies, args.draws, args.groups, args.max_rounds, args.seed)
+        trainer.logger.close()
+    print(
+        f"{config.model.name} sampled by {config.rollout.engine}, task {config.task.name}:"
+        f" {numbers['groups']} groups x {config.rollout.group_size} completions, {numbers['tokens']} tokens"
+        f" (mean length {numbers['mean_length']:.0f}, max {numbers['max_length']}), mean reward"
+        f" {numbers['reward_mean']:.2f}; {args.draws} draws per cell; {platform.processor() or platform.machine()},"
+        f" torch {torch.__version__}\n"
+    )
+    print(report(numbers, args.budgets, args.strategies))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": path and str(path), "overrides": overrides, **numbers}, indent=2))
+    return 0
