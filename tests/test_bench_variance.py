@@ -57,8 +57,9 @@ def test_closed_form_variance_matches_monte_carlo(strategy):
 
 
 def test_bench_variance_runs_and_prints_its_tables(tmp_path, tiny_dir, capsys):
-    from deployrl.bench import main
     from tiny import toy_task_file
+
+    from deployrl.bench import main
 
     task_file = toy_task_file(tmp_path)
     out = tmp_path / "variance.json"

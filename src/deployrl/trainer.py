@@ -327,7 +327,9 @@ class Trainer:
             weights = correction_weights(algo.correction, old.logp, batch.logp_inf, algo.correction_cap) * mask
         return advantages, weights, metrics
 
-    def cutoff_law(self, rollouts: Rollouts, old: OldPass, params: SamplingParams, ps: Optional[PSConfig] = None) -> torch.Tensor:
+    def cutoff_law(
+        self, rollouts: Rollouts, old: OldPass, params: SamplingParams, ps: Optional[PSConfig] = None
+    ) -> torch.Tensor:
         """xi [G, T], the cutoff law of each group under `ps` (default: the configured one)."""
         ps, batch = ps or self.config.algo.ps, rollouts.batch
         k, mask = batch.group_size, batch.mask

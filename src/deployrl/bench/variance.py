@@ -47,8 +47,10 @@ SAMPLED = ("uniform", "temporal", "heuristic", "optimized", "sgrpo")
 # worked step by step. Any of these can be overridden like a `deployrl train` run.
 DEFAULTS = (
     "task.instruction=Solve it step by step and end with the final number.",
-    "task.rg_config={min_terms: 3, max_terms: 3, min_digits: 2, max_digits: 2, operators: ['+', '-'],"
-    " allow_parentheses: false, allow_negation: false}",
+    (
+        "task.rg_config={min_terms: 3, max_terms: 3, min_digits: 2, max_digits: 2, operators: ['+', '-'],"
+        " allow_parentheses: false, allow_negation: false}"
+    ),
     "rollout.max_new_tokens=256",
     "algo.correction=none",
     "algo.dynamic_sampling=drop",
