@@ -1,0 +1,431 @@
+"""`deployrl bench update`: wall time, peak memory and backpropagated tokens of the update phase.
+
+Same model, same synthetic rollout batch, same machine, in one run: the update phase of
+full-trajectory GRPO, DAPO, S-GRPO and PS-PPO with each cutoff strategy at one token budget B,
+for several longest completion lengths T_max. The update phase is what `Trainer.step` does
+between rollout and weight sync, through the trainer's own code: `old_pass` (no-grad logp_old
+and proxies), `shaped_advantages`, `cutoff_plan`, and `update` (one PPO epoch, one mini-batch,
+so one optimizer step).
+
+Fairness choices:
+* every method sees the same batch: per prompt group, K completions of random tokens with
+  lengths drawn uniformly in [T_max/2, T_max] (seeded), rewards 0/1 with both values present;
+* DC is off for all methods (correction none), so only the objective and the cutoff law differ;
+* micro-batching is the trainer's: rows sorted by length and packed up to micro_batch_tokens,
+  so a long full-trajectory row runs alone while short prefixes share a micro-batch;
+* each (method, T_max, repeat) runs in a fresh process: model loading, the rollout engine's
+  copy of the weights and AdamW's state (allocated by a step on zero gradients, which leaves
+  the weights unchanged) all happen before the measured phase, as does a short warm-up
+  forward and backward; repeats are interleaved across methods and reported as medians.
+
+Random tokens carry no signal, so the heuristic and optimized laws come out nearly flat here:
+they keep whole completions or nothing, and with few rows the realized backpropagated tokens
+(and the time) vary a lot from draw to draw around the expected K x B per group. The cutoff
+draws change with the repeat; the table shows expected and realized tokens side by side and
+a note where they differ by more than a quarter.
+
+Peak memory is `PeakMemory`: on CPU the peak resident set size above the level at entry,
+after freed heap memory has been handed back to the OS (`malloc_trim`), so memory that the
+set-up freed cannot be reused unseen by the update. The trainer keeps its model on the CPU
+(it has no device placement), so this benchmark measures the CPU path only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deployrl.bench.measure import PeakMemory, in_fresh_process, median, table
+
+T_MAX = (512, 1024, 2048, 4096)
+GRPO = {"algo.ps.strategy": "full", "algo.aggregation": "seq_mean_token_mean", "algo.eps_high": 0.2}
+DAPO = {"algo.ps.strategy": "full", "algo.aggregation": "token_mean", "algo.eps_high": 0.28}
+
+
+def ps_method(strategy: str) -> dict[str, Any]:
+    """A budgeted cutoff strategy on the DAPO objective (the trainer's default objective)."""
+    return {**DAPO, "algo.ps.strategy": strategy}
+
+
+# Method name -> config overrides (dotted keys of TrainConfig).
+METHODS: dict[str, dict[str, Any]] = {
+    "grpo": GRPO,
+    "dapo": DAPO,
+    "sgrpo": ps_method("sgrpo"),
+    "ps:uniform": ps_method("uniform"),
+    "ps:temporal": ps_method("temporal"),
+    "ps:heuristic": ps_method("heuristic"),
+    "ps:optimized": ps_method("optimized"),
+}
+REFERENCE = "grpo"  # ratios are taken to full-trajectory GRPO
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every measurement shares (besides the model and T_max)."""
+
+    budget: float = 128.0  # B: expected backpropagated tokens per completion
+    groups: int = 1  # prompt groups in the batch
+    group_size: int = 4  # K: completions per prompt
+    prompt_tokens: int = 64
+    micro_batch_tokens: int = 2048  # the trainer's default
+    seed: int = 0
+    threads: int | None = None  # torch threads; None: torch's default
+
+    def xi_min(self, t_max: int) -> float:
+        """The trainer's default floor 0.02, lowered so that it spends at most half the budget.
+
+        The config requires xi_min x max_new_tokens <= B; at half the budget the cutoff law still
+        has room to take its shape instead of sitting on the floor.
+        """
+        return min(0.02, self.budget / (2 * t_max))
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """{"a.b": 1} -> {"a": {"b": 1}}."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *sections, name = key.split(".")
+        node = out
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    return out
+
+
+def config_overrides(
+    model_dir: str, method: str, t_max: int, settings: Settings, output_dir: str, repeat: int = 0
+) -> dict[str, Any]:
+    """The dotted TrainConfig overrides of one measurement; the trainer's seed (its cutoff draws)
+    changes with the repeat, so that repeats average over draws as well as over machine noise."""
+    return {
+        "model.name": model_dir,
+        "task.size": settings.groups,  # the task is only needed by the constructor: keep it small
+        "rollout.engine": "hf:fp32",
+        "rollout.prompts_per_step": settings.groups,
+        "rollout.group_size": settings.group_size,
+        "rollout.max_new_tokens": t_max,
+        "rollout.context_length": settings.prompt_tokens + t_max,
+        "algo.correction": "none",
+        "algo.ppo_epochs": 1,
+        "algo.mini_batches": 1,
+        "algo.micro_batch_tokens": settings.micro_batch_tokens,
+        "algo.ps.budget": settings.budget,
+        "algo.ps.xi_min": settings.xi_min(t_max),
+        **METHODS[method],
+        "seed": settings.seed + repeat,
+        "output_dir": output_dir,
+        "tensorboard": False,
+        "eval.num_prompts": 0,
+    }
+
+
+def prepare_model(spec: str, layers: int, directory: str) -> dict[str, Any]:
+    """Save model `spec` truncated to its first `layers` decoder layers (0: all) as an HF folder.
+
+    Every measurement process then loads the same safetensors folder as `model.name`.
+    """
+    from deployrl.models import load_model, load_tokenizer, resolve_model
+
+    quiet_transformers()
+    source = resolve_model(spec)
+    model = load_model(source, "fp32")
+    decoder = getattr(model, model.base_model_prefix)
+    total = len(decoder.layers)
+    if layers:
+        if layers > total:
+            raise ValueError(f"--layers {layers}: {spec} has only {total} decoder layers")
+        decoder.layers = decoder.layers[:layers]
+        model.config.num_hidden_layers = layers
+        if getattr(model.config, "layer_types", None):  # per-layer attention kinds, where the config has them
+            model.config.layer_types = model.config.layer_types[:layers]
+    model.save_pretrained(directory)
+    load_tokenizer(source).save_pretrained(directory)
+    config = model.config
+    return {
+        "layers": config.num_hidden_layers, "of_layers": total, "vocab": config.vocab_size,
+        "hidden": config.hidden_size, "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def quiet_transformers() -> None:
+    """No loading and saving progress bars: they would bury the benchmark's own output."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
+def synthetic_rollouts(examples: list, vocab: int, t_max: int, settings: Settings):
+    """A Rollouts of `groups` x K rows of random tokens, lengths uniform in [T_max/2, T_max].
+
+    Seeded by (seed, T_max): every method gets the same batch at a given T_max. Rewards are
+    0/1 with K//2 ones per group, so no group has zero variance; logp_inf is uniform in [-3, 0].
+    """
+    from deployrl.engines.base import RolloutBatch
+    from deployrl.trainer import Rollouts
+
+    g, k = settings.groups, settings.group_size
+    rows = g * k
+    gen = torch.Generator().manual_seed(settings.seed * 100_003 + t_max)
+    prompts = torch.randint(0, vocab, (g, settings.prompt_tokens), generator=gen)  # [G, P]
+    lengths = torch.randint(t_max // 2, t_max + 1, (rows,), generator=gen)  # [B]
+    mask = torch.arange(t_max)[None, :] < lengths[:, None]  # [B, T]
+    completion_ids = torch.randint(0, vocab, (rows, t_max), generator=gen) * mask
+    logp_inf = -3 * torch.rand(rows, t_max, generator=gen) * mask
+    rewards = torch.stack([(torch.randperm(k, generator=gen) < k // 2).float() for _ in range(g)])  # [G, K]
+    batch = RolloutBatch(
+        prompt_ids=[prompts[row // k].tolist() for row in range(rows)],
+        completion_ids=completion_ids,
+        logp_inf=logp_inf,
+        mask=mask,
+        finish_reasons=["length" if n == t_max else "stop" for n in lengths.tolist()],
+        semantics="processed",
+        group_size=k,
+    )
+    return Rollouts(batch, examples[:g], rewards, [""] * rows, rewards)
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and return freed heap pages to the OS (glibc), so the measured phase's
+    RSS must grow for every byte it uses instead of silently reusing what set-up freed."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: RSS deltas may then undercount
+        pass
+
+
+def warm_up(trainer, rollouts) -> None:
+    """Allocate AdamW's state and run the kernels once, outside the measurement.
+
+    The optimizer step sees zero gradients: with weight decay 0 the update is exactly zero,
+    so the weights do not change; only the state tensors (exp_avg, exp_avg_sq) come to exist.
+    """
+    from deployrl.models import token_logprobs
+
+    assert trainer.config.optim.weight_decay == 0, "a zero-gradient step must not move the weights"
+    for p in trainer.model.parameters():
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    batch = rollouts.batch
+    short = batch.mask[:1, :16]  # [1, 16]: a few tokens of the first row
+    token_logprobs(trainer.model, batch.prompt_ids[:1], batch.completion_ids[:1, :16], short).logp.sum().backward()
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any], repeat: int = 0) -> dict[str, Any]:
+    """Build a Trainer for `method`, time and measure one update phase on the synthetic batch."""
+    from deployrl.config import TrainConfig
+    from deployrl.configio import build
+    from deployrl.trainer import Trainer, micro_batches
+
+    s = Settings(**settings)
+    quiet_transformers()
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    with tempfile.TemporaryDirectory(prefix="deployrl-bench-") as output_dir:
+        overrides = config_overrides(model_dir, method, t_max, s, output_dir, repeat)
+        config = build(TrainConfig, nest(overrides), origin="deployrl bench update")
+        trainer = Trainer(config)
+        rollouts = synthetic_rollouts(trainer.task.examples, trainer.model.config.vocab_size, t_max, s)
+        params = config.rollout.sampling(seed=0)  # as Trainer.step
+        warm_up(trainer, rollouts)
+        release_freed_memory()
+        with PeakMemory() as memory:
+            start = time.perf_counter()
+            old = trainer.old_pass(rollouts, params)
+            after_old = time.perf_counter()
+            advantages, weights, _ = trainer.shaped_advantages(rollouts, old)
+            plan = trainer.cutoff_plan(rollouts, old, params)
+            after_plan = time.perf_counter()
+            metrics = trainer.update(rollouts, old, advantages, weights, plan, params)
+            end = time.perf_counter()
+        trainer.logger.close()
+    # What the graded pass fed: each row with a non-empty prefix runs prompt + prefix tokens.
+    cutoffs = plan.cutoffs.tolist()
+    row_tokens = [len(p) + c for p, c in zip(rollouts.batch.prompt_ids, cutoffs)]
+    active = [r for r, c in enumerate(cutoffs) if c > 0]
+    return {
+        "method": method, "t_max": t_max, "repeat": repeat, "seconds": end - start, "old_pass_s": after_old - start,
+        "plan_s": after_plan - after_old, "graded_s": end - after_plan, "peak_bytes": memory.peak,
+        "tokens_graded": metrics["ps/tokens_graded"], "tokens_expected": metrics["ps/expected_kept"],
+        "tokens_total": metrics["ps/tokens_total"],
+        "graded_pass_tokens": sum(row_tokens[r] for r in active),
+        "micro_batches": len(micro_batches(active, row_tokens, s.micro_batch_tokens)),
+        "threads": torch.get_num_threads(), "xi_min": s.xi_min(t_max),
+    }
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def summary_rows(results: list[dict[str, Any]], methods: list[str], t_maxes: list[int]) -> list[list[Any]]:
+    """One row per (T_max, method): medians over repeats, ratios to the reference's medians."""
+
+    def med(t_max: int, method: str, key: str) -> float:
+        return median([r[key] for r in results if r["t_max"] == t_max and r["method"] == method])
+
+    rows = []
+    for t_max in t_maxes:
+        ref_s, ref_mem = med(t_max, REFERENCE, "seconds"), med(t_max, REFERENCE, "peak_bytes")
+        for method in methods:
+            seconds, peak = med(t_max, method, "seconds"), med(t_max, method, "peak_bytes")
+            rows.append([
+                t_max, method, seconds, ref_s / seconds, peak / 2**20, peak / ref_mem if ref_mem else float("nan"),
+                int(med(t_max, method, "tokens_graded")), round(med(t_max, method, "tokens_expected")),
+                int(med(t_max, method, "tokens_total")),
+                int(med(t_max, method, "graded_pass_tokens")), int(med(t_max, method, "micro_batches")),
+                med(t_max, method, "old_pass_s"), med(t_max, method, "plan_s"), med(t_max, method, "graded_s"),
+            ])
+    return rows
+
+
+def draw_notes(results: list[dict[str, Any]], methods: list[str], t_maxes: list[int]) -> list[str]:
+    """Where the median draw backpropagated far from the expected tokens (by over a quarter), its
+    time says more about that draw than about the method: a flat cutoff law keeps whole
+    completions or nothing, and with few rows the draws barely average out."""
+    notes = []
+    for t_max in t_maxes:
+        for method in methods:
+            mine = [r for r in results if r["t_max"] == t_max and r["method"] == method]
+            kept, expected = median([r["tokens_graded"] for r in mine]), median([r["tokens_expected"] for r in mine])
+            if abs(kept - expected) > 0.25 * expected:
+                notes.append(
+                    f"note: {method} at T_max {t_max} backpropagated {kept:.0f} tokens in the median draw against"
+                    f" {expected:.0f} expected; raise --repeats or --groups for its average cost"
+                )
+    return notes
+
+
+HEADERS = [
+    "T_max", "method", "update s", "speed-up vs grpo", "peak MB", "memory vs grpo", "tokens backprop",
+    "expected backprop", "tokens total", "graded-pass tokens", "micro-batches", "old pass s", "adv+plan s", "graded s",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="deployrl bench update",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=(
+            "Update-phase wall time, peak memory and backpropagated tokens of full GRPO, DAPO, S-GRPO and"
+            " PS-PPO (each cutoff strategy) on one synthetic rollout batch per T_max, through the trainer's"
+            " own old_pass / shaped_advantages / cutoff_plan / update (one PPO epoch, one optimizer step),"
+            " DC off for all. Each measurement runs in a fresh process; the table shows medians over"
+            " repeats and ratios to full GRPO (speed-up = grpo seconds / method seconds; memory = method"
+            " peak / grpo peak). CPU only: the trainer keeps its model on the CPU."
+        ),
+    )
+    parser.add_argument("--model", default="smollm2-135m", help="model spec (alias, HF directory or .gguf file)")
+    parser.add_argument("--layers", type=int, default=4, help="keep the first N decoder layers (0: all)")
+    parser.add_argument("--t-max", type=int, nargs="+", default=list(T_MAX), help="longest completion lengths")
+    parser.add_argument(
+        "--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="METHOD",
+        help=f"methods to measure, from: {', '.join(METHODS)} (ratios need {REFERENCE})",
+    )
+    parser.add_argument("--budget", type=float, default=128.0, help="PS-PPO / S-GRPO token budget B per completion")
+    parser.add_argument("--groups", type=int, default=1, help="prompt groups in the batch")
+    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt (K)")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens of each (random) prompt")
+    parser.add_argument(
+        "--micro-batch-tokens", type=int, default=2048, help="prompt + kept tokens per forward/backward, as algo.micro_batch_tokens"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per (method, T_max); medians are shown")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per measurement; None: torch's default")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch; the cutoff draws use seed + repeat")
+    parser.add_argument("--json", type=Path, default=None, help="write settings and every raw measurement here")
+    parser.add_argument(
+        "--same-process", action="store_true",
+        help="measure in this process instead of a fresh one each time: quicker, but one measurement's"
+        " freed memory can hide the next one's peak (for smoke tests)",
+    )
+    args = parser.parse_args(argv)
+    if min(args.t_max) < 2 or args.repeats < 1 or args.layers < 0:
+        parser.error("--t-max must be >= 2, --repeats >= 1 and --layers >= 0")
+
+    settings = Settings(
+        budget=args.budget, groups=args.groups, group_size=args.group_size, prompt_tokens=args.prompt_tokens,
+        micro_batch_tokens=args.micro_batch_tokens, seed=args.seed, threads=args.threads,
+    )
+
+    def call(function: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if args.same_process:
+            return globals()[function](**kwargs)
+        return in_fresh_process(f"{__name__}:{function}", kwargs)
+
+    with tempfile.TemporaryDirectory(prefix="deployrl-bench-model-") as model_dir:
+        model = call("prepare_model", {"spec": args.model, "layers": args.layers, "directory": model_dir})
+        print(
+            f"hardware: {cpu_name()}, {args.threads or torch.get_num_threads()} torch threads, torch {torch.__version__},"
+            f" device cpu{' (CUDA is available but the trainer does not use it)' if torch.cuda.is_available() else ''}"
+        )
+        print(
+            f"model: {args.model}, {model['layers']} of {model['of_layers']} decoder layers, vocab {model['vocab']},"
+            f" hidden {model['hidden']}, {model['parameters'] / 1e6:.3g}M parameters, fp32"
+        )
+        print(
+            f"batch: {settings.groups} group(s) x K={settings.group_size}, prompt {settings.prompt_tokens} tokens,"
+            f" completion lengths uniform in [T_max/2, T_max], batch seed {settings.seed},"
+            f" cutoff draws seeded {settings.seed} + repeat"
+        )
+        print(
+            f"update: 1 PPO epoch, 1 mini-batch, micro_batch_tokens={settings.micro_batch_tokens}, correction none"
+            f" (DC off), budget B={settings.budget:g}, xi_min=min(0.02, B/(2 T_max)), {args.repeats} repeat(s),"
+            f" {'one process' if args.same_process else 'a fresh process per measurement'}"
+        )
+        for method in args.methods:
+            print(f"  {method}: " + " ".join(f"{k}={v}" for k, v in METHODS[method].items()))
+        results = []
+        total = args.repeats * len(args.t_max) * len(args.methods)
+        for repeat in range(args.repeats):  # interleaved, so slow spells of the machine hit every method
+            for t_max in args.t_max:
+                for method in args.methods:
+                    result = call("measure_one", {
+                        "model_dir": model_dir, "method": method, "t_max": t_max, "settings": asdict(settings),
+                        "repeat": repeat,
+                    })
+                    results.append(result)
+                    print(
+                        f"[{len(results)}/{total}] repeat {repeat + 1}, T_max {t_max}, {method}:"
+                        f" {result['seconds']:.3g} s, {result['peak_bytes'] / 2**20:.0f} MB",
+                        file=sys.stderr,
+                    )
+    print()
+    print(table(HEADERS, summary_rows(results, args.methods, args.t_max)))
+    print(
+        "\nspeed-up: grpo median seconds / method median seconds; memory: method median peak / grpo median peak;"
+        " tokens backprop: completion tokens in the loss (median draw); expected backprop: their expectation, sum of xi;"
+        " graded-pass tokens: prompt + prefix tokens fed to the graded forward and backward."
+    )
+    for note in draw_notes(results, args.methods, args.t_max):
+        print(note)
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "settings": asdict(settings), "model": {**model, "spec": args.model}, "methods": args.methods,
+            "t_max": args.t_max, "repeats": args.repeats, "torch": torch.__version__, "cpu": cpu_name(),
+            "measurements": results,
+        }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
