@@ -174,3 +174,16 @@ def test_eval_command_scores_a_task(tiny_dir, tmp_path, capsys):
     assert "basic_arithmetic" in capsys.readouterr().out
     scores = json.loads(out.read_text())
     assert scores["problems"] == 3 and 0 <= scores["pass@1"] <= scores["pass@2"] <= 1
+
+
+def test_old_pass_in_micro_batches_equals_one_pass(tmp_path, tiny_dir):
+    from dataclasses import replace
+
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.kl_coef=0.1", "algo.micro_batch_tokens=100000"))
+    rollouts = trainer.collect()
+    params = trainer.config.rollout.sampling(seed=0)
+    whole = trainer.old_pass(rollouts, params, ("heuristic", "optimized"))
+    trainer.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=8))
+    split = trainer.old_pass(rollouts, params, ("heuristic", "optimized"))
+    for name in ("logp", "logp_ref", "entropy", "grad_norm", "hidden"):
+        torch.testing.assert_close(getattr(split, name), getattr(whole, name), atol=1e-5, rtol=1e-5, msg=name)

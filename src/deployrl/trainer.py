@@ -285,27 +285,46 @@ class Trainer:
     def old_pass(self, rollouts: Rollouts, params: SamplingParams, strategies: tuple[str, ...] = ()) -> OldPass:
         """logp_old (and logp_ref, proxies) over the full completions, in chunks.
 
-        Keeps the proxies the cutoff `strategies` need (default: the configured strategy's).
+        Rows go through the model in micro-batches of `algo.micro_batch_tokens`, like the graded
+        pass, so this pass's peak memory does not grow with the batch. Keeps the proxies the
+        cutoff `strategies` need (default: the configured strategy's).
         """
         batch, cfg = rollouts.batch, self.config
         view = trainer_view(batch.semantics, params)
         strategies = strategies or (cfg.algo.ps.strategy,)
-        hidden = completion_hidden(self.model, batch.prompt_ids, batch.completion_ids, batch.mask)
-        stats = chunked_token_stats(
-            hidden, output_head(self.model), batch.completion_ids, batch.mask, view, cfg.model.chunk_tokens,
-            with_stats=bool({"heuristic", "optimized"} & set(strategies)),
-        )
-        logp_ref = None
-        if self.ref_model is not None:
-            logp_ref = token_logprobs(
-                self.ref_model, batch.prompt_ids, batch.completion_ids, batch.mask, view, cfg.model.chunk_tokens
-            ).logp
-        out = OldPass(logp=stats.logp, logp_ref=logp_ref)
+        with_stats = bool({"heuristic", "optimized"} & set(strategies))
+        keep_hidden = "optimized" in strategies
+        lengths = [len(p) + int(n) for p, n in zip(batch.prompt_ids, batch.mask.sum(dim=1).tolist())]
+        parts: dict[str, list[torch.Tensor]] = {"logp": [], "entropy": [], "sum_p2": [], "hidden_norm": [], "hidden": [],
+                                                "logp_ref": []}
+        order: list[int] = []
+        for micro in micro_batches(list(range(len(lengths))), lengths, cfg.algo.micro_batch_tokens):
+            rows = torch.tensor(micro)
+            prompts, completions, mask = [batch.prompt_ids[r] for r in micro], batch.completion_ids[rows], batch.mask[rows]
+            hidden = completion_hidden(self.model, prompts, completions, mask)
+            stats = chunked_token_stats(
+                hidden, output_head(self.model), completions, mask, view, cfg.model.chunk_tokens, with_stats
+            )
+            for name in ("logp", "entropy", "sum_p2", "hidden_norm"):
+                parts[name].append(getattr(stats, name))
+            if keep_hidden:
+                parts["hidden"].append(hidden)
+            if self.ref_model is not None:
+                parts["logp_ref"].append(
+                    token_logprobs(self.ref_model, prompts, completions, mask, view, cfg.model.chunk_tokens).logp
+                )
+            order += micro
+        inverse = torch.argsort(torch.tensor(order))
+
+        def joined(name: str) -> Optional[torch.Tensor]:
+            return torch.cat(parts[name])[inverse] if parts[name] and parts[name][0] is not None else None
+
+        out = OldPass(logp=joined("logp"), logp_ref=joined("logp_ref"))
         if "heuristic" in strategies:
-            out.entropy = stats.entropy
-        if "optimized" in strategies:
-            out.grad_norm = grad_norm_proxy(stats.logp, stats.sum_p2, stats.hidden_norm)
-            out.hidden = hidden
+            out.entropy = joined("entropy")
+        if keep_hidden:
+            out.grad_norm = grad_norm_proxy(out.logp, joined("sum_p2"), joined("hidden_norm"))
+            out.hidden = joined("hidden")
         return out
 
     def shaped_advantages(self, rollouts: Rollouts, old: OldPass) -> tuple[torch.Tensor, torch.Tensor, dict]:
