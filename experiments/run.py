@@ -1,0 +1,181 @@
+"""Run an experiment: the arms of `experiments/<name>/arms.yaml`, then a side-by-side report.
+
+Every arm is a plain `deployrl train <name>/base.yaml <overrides>` run, so any arm can be re-run
+by hand with the command this script prints. Finished arms are skipped and an interrupted arm
+resumes from its last checkpoint, so the script can be stopped and started again.
+
+    python experiments/run.py mismatch                       # every arm in order, then the report
+    python experiments/run.py mismatch --arms q4_none q4_dc  # some arms
+    python experiments/run.py ps_accuracy --report           # the report of the finished arms
+
+The report goes to `<out>/report.md` and `<out>/plots/*.png` (out: `runs/<name>`): per arm the
+training reward over the first and last quarter of the steps, the deployment-engine eval
+before / after training and at equal wall time (the fastest arm's total), mean discrepancy,
+tolerance c, lambda, fraction of tokens over c, seconds per step and tokens backpropagated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+PANELS = {
+    "reward/mean": "training reward (engine samples)",
+    "eval/pass@1": "eval pass@1 in the deployment engine",
+    "eval_by_time": "eval pass@1 against wall time (min)",
+    "dc/mean_D": "mean discrepancy D",
+    "dc/lambda": "lambda",
+    "dc/frac_over_tolerance": "fraction of tokens with delta > c",
+    "ps/tokens_graded": "tokens backpropagated per step",
+}
+
+
+def load_experiment(name: str) -> dict:
+    folder = HERE / name
+    spec = yaml.safe_load((folder / "arms.yaml").read_text())
+    spec["base"] = folder / spec.get("base", "base.yaml")
+    return spec
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    return any(r["step"] == steps and "eval/pass@1" in r for r in read_metrics(run_dir))
+
+
+def run_arm(spec: dict, name: str, out: Path, steps: int, extra: list[str]) -> None:
+    run_dir = out / name
+    if finished(run_dir, steps):
+        print(f"[{name}] already finished, skipped", flush=True)
+        return
+    arm = spec["arms"][name]
+    resume = ["--resume"] if (run_dir / "checkpoints").exists() else []
+    command = [
+        sys.executable, "-m", "deployrl", "train", str(spec["base"]), *arm["overrides"],
+        f"steps={steps}", f"output_dir={run_dir}", *extra, *resume,
+    ]
+    print(f"[{name}] {arm['about']}\n  deployrl " + " ".join(command[3:]), flush=True)
+    start = time.perf_counter()
+    subprocess.run(command, check=True)
+    print(f"[{name}] {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+
+
+def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    pairs = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def eval_by_time(rows: list[dict]) -> tuple[list[float], list[float]]:
+    """(cumulative training minutes, eval pass@1) at each evaluation; eval time not counted."""
+    elapsed, minutes = 0.0, {0: 0.0}
+    for r in rows:
+        if r.get("time/step") is not None:
+            elapsed += r["time/step"] / 60
+            minutes[r["step"]] = elapsed
+    steps, values = series(rows, "eval/pass@1")
+    return [minutes[s] for s in steps], values
+
+
+def at_time(curve: tuple[list[float], list[float]], limit: float) -> float:
+    """The last evaluation made within `limit` minutes of training."""
+    within = [v for t, v in zip(*curve) if t <= limit + 1e-9]
+    return within[-1] if within else float("nan")
+
+
+def mean_of(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def report(spec: dict, out: Path, steps: int) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = {name: read_metrics(out / name) for name in spec["arms"] if finished(out / name, steps)}
+    if not done:
+        raise SystemExit(f"no finished arm in {out}")
+    quarter = max(1, steps // 4)
+    curves = {name: eval_by_time(rows) for name, rows in done.items()}
+    equal_time = min(curve[0][-1] for curve in curves.values())
+    headers = [
+        "arm", "what", f"reward, first {quarter} steps", f"reward, last {quarter} steps", "eval before",
+        f"eval after {steps} steps", f"eval at {equal_time:.1f} min", "mean δ first → last", "c", "λ end",
+        "tokens over c (last)", "s/step", "tokens backprop / step",
+    ]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for name, rows in done.items():
+        reward = series(rows, "reward/mean")[1]
+        evals = dict(zip(*series(rows, "eval/pass@1")))
+        delta = series(rows, "dc/mean_D")[1]
+        lam = series(rows, "dc/lambda")[1]
+        cells = [
+            name, spec["arms"][name]["about"], f"{mean_of(reward[:quarter]):.3f}", f"{mean_of(reward[-quarter:]):.3f}",
+            f"{evals[0]:.3f}" if 0 in evals else "–", f"{evals.get(steps, float('nan')):.3f}",
+            f"{at_time(curves[name], equal_time):.3f}", f"{delta[0]:.4f} → {delta[-1]:.4f}",
+            f"{series(rows, 'dc/tolerance')[1][0]:.4f}", f"{lam[-1]:.2f}",
+            f"{series(rows, 'dc/frac_over_tolerance')[1][-1]:.3f}", f"{mean_of(series(rows, 'time/step')[1]):.1f}",
+            f"{mean_of(series(rows, 'ps/tokens_graded')[1]):.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    panels = spec.get("panels", list(PANELS))
+    for group, names in spec.get("plots", {"all": list(spec["arms"])}).items():
+        names = [n for n in names if n in done]
+        if not names:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.3), squeeze=False)
+        for ax, key in zip(axes[0], panels):
+            for name in names:
+                x, y = curves[name] if key == "eval_by_time" else series(done[name], key)
+                ax.plot(x, y, marker="o" if key.startswith("eval") else None, ms=3, label=name)
+            ax.set_title(PANELS[key], fontsize=9)
+            ax.set_xlabel("minutes" if key == "eval_by_time" else "step")
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(plots / f"{group}.png", dpi=110)
+        plt.close(fig)
+    (out / "report.md").write_text(table + "\n")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    experiments = sorted(p.parent.name for p in HERE.glob("*/arms.yaml"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("experiment", choices=experiments)
+    parser.add_argument("--arms", nargs="*", default=None, metavar="ARM", help="arms to run, in order (default: all)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per arm (default: the experiment's)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: runs/<experiment>)")
+    parser.add_argument("--report", action="store_true", help="only write the report of the finished arms")
+    parser.add_argument("overrides", nargs="*", default=[], help="extra key=value overrides for every arm")
+    args = parser.parse_args(argv)
+    spec = load_experiment(args.experiment)
+    steps = args.steps or spec["steps"]
+    out = args.out or Path("runs") / args.experiment
+    arms = args.arms if args.arms is not None else list(spec["arms"])
+    unknown = [a for a in arms if a not in spec["arms"]]
+    if unknown:
+        parser.error(f"unknown arm(s) {unknown}; {args.experiment} has: {', '.join(spec['arms'])}")
+    if not args.report:
+        for name in arms:
+            run_arm(spec, name, out, steps, args.overrides)
+    print(report(spec, out, steps))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
