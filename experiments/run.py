@@ -38,7 +38,10 @@ PANELS = {
 
 
 def load_experiment(name: str) -> dict:
-    folder = HERE / name
+    """arms.yaml of experiments/<name>, or of the folder `name`."""
+    folder = HERE / name if (HERE / name / "arms.yaml").exists() else Path(name)
+    if not (folder / "arms.yaml").exists():
+        raise SystemExit(f"{name}: neither an experiment in {HERE} nor a folder with an arms.yaml")
     spec = yaml.safe_load((folder / "arms.yaml").read_text())
     spec["base"] = folder / spec.get("base", "base.yaml")
     return spec
@@ -156,7 +159,7 @@ def report(spec: dict, out: Path, steps: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     experiments = sorted(p.parent.name for p in HERE.glob("*/arms.yaml"))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("experiment", choices=experiments)
+    parser.add_argument("experiment", help=f"{', '.join(experiments)}, or a folder with base.yaml and arms.yaml")
     parser.add_argument("--arms", nargs="*", default=None, metavar="ARM", help="arms to run, in order (default: all)")
     parser.add_argument("--steps", type=int, default=None, help="training steps per arm (default: the experiment's)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: runs/<experiment>)")
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spec = load_experiment(args.experiment)
     steps = args.steps or spec["steps"]
-    out = args.out or Path("runs") / args.experiment
+    out = args.out or Path("runs") / Path(args.experiment).name
     arms = args.arms if args.arms is not None else list(spec["arms"])
     unknown = [a for a in arms if a not in spec["arms"]]
     if unknown:
