@@ -10,7 +10,7 @@ from deployrl.algo.prefix import (
     cutoff_law,
     grad_norm_proxy,
     group_weight_sums,
-    reward_uncertainty,
+    group_stats,
     sample_plan,
     variance_surrogate,
 )
@@ -212,14 +212,30 @@ def uncertainty_reference(hidden, head, mask, success, metric):
 def test_reward_uncertainty_matches_full_computation(metric, gen):
     hidden = torch.randn(6, 13, 4, generator=gen)
     head = torch.randn(17, 4, generator=gen)
+    targets = torch.randint(0, 17, (6, 13), generator=gen)
     mask = torch.arange(13)[None] < torch.tensor([13, 5, 9, 2, 13, 7])[:, None]
     success = torch.tensor([False, True, True, False, False, True])  # successes die out by t=9
     expected = uncertainty_reference(hidden, head, mask, success, metric)
     for chunk in (1, 4, 13):
-        got = reward_uncertainty(hidden, head, mask, success, metric, chunk_size=chunk)
+        got = group_stats(hidden, head, targets, mask, success, metric, chunk_size=chunk).uncertainty
         torch.testing.assert_close(got, expected)
-    everyone_won = reward_uncertainty(hidden, head, mask, torch.ones(6, dtype=torch.bool))
+    everyone_won = group_stats(hidden, head, targets, mask, torch.ones(6, dtype=torch.bool)).uncertainty
     assert torch.equal(everyone_won, torch.ones(13))
+
+
+def test_group_stats_token_statistics_match_the_chunked_pass(gen):
+    from deployrl.algo.logprobs import SamplingView, chunked_token_stats
+
+    hidden = torch.randn(5, 11, 4, generator=gen)
+    head = torch.randn(19, 4, generator=gen)
+    targets = torch.randint(0, 19, (5, 11), generator=gen)
+    mask = torch.arange(11)[None] < torch.tensor([11, 3, 8, 1, 6])[:, None]
+    view = SamplingView(temperature=0.7, top_k=5)
+    expected = chunked_token_stats(hidden, head, targets, mask, view, chunk_tokens=7, with_stats=True)
+    got = group_stats(hidden, head, targets, mask, torch.tensor([True, False, True, False, False]), view=view,
+                      chunk_size=3)
+    for name in ("logp", "entropy", "sum_p2", "hidden_norm"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), msg=name)
 
 
 def test_bad_arguments(gen):
@@ -241,4 +257,5 @@ def test_bad_arguments(gen):
     with pytest.raises(ValueError, match="not a multiple of group_size=3"):
         cutoff_law("uniform", mask, 3, budget=3)
     with pytest.raises(ValueError, match="unknown uncertainty metric"):
-        reward_uncertainty(torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.ones(2, 3), torch.ones(2).bool(), "kl")
+        group_stats(torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3),
+                    torch.ones(2).bool(), "kl")

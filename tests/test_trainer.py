@@ -85,7 +85,7 @@ def test_graded_pass_sees_only_the_sampled_prefixes(tmp_path, tiny_dir):
     params = trainer.config.rollout.sampling(seed=0)
     old = trainer.old_pass(rollouts, params)
     advantages, weights, _ = trainer.shaped_advantages(rollouts, old)
-    plan = trainer.cutoff_plan(rollouts, old, params)
+    plan = trainer.cutoff_plan(rollouts, old)
     metrics = trainer.update(rollouts, old, advantages, weights, plan, params)
     assert metrics["ps/tokens_graded"] == float(plan.cutoffs.sum())
     assert metrics["ps/tokens_graded"] < 0.8 * metrics["ps/tokens_total"]

@@ -42,7 +42,7 @@ from deployrl.algo.discrepancy import (
 )
 from deployrl.algo.logprobs import chunked_token_stats
 from deployrl.algo.losses import policy_loss
-from deployrl.algo.prefix import PrefixPlan, cutoff_law, grad_norm_proxy, reward_uncertainty, sample_plan
+from deployrl.algo.prefix import PrefixPlan, cutoff_law, grad_norm_proxy, group_stats, sample_plan
 from deployrl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
 from deployrl.config import PSConfig, TrainConfig
 from deployrl.configio import to_dict
@@ -76,6 +76,7 @@ class OldPass:
     logp_ref: Optional[torch.Tensor]  # [B, T] reference policy, when the KL term is on
     entropy: Optional[torch.Tensor] = None  # [B, T]
     grad_norm: Optional[torch.Tensor] = None  # [B, T] gamma
+    uncertainty: Optional[torch.Tensor] = None  # [G, T] reward uncertainty u
     hidden: Optional[torch.Tensor] = None  # [B, T, D]
 
 
@@ -287,28 +288,29 @@ class Trainer:
 
         Rows go through the model in micro-batches of `algo.micro_batch_tokens`, like the graded
         pass, so this pass's peak memory does not grow with the batch. Keeps the proxies the
-        cutoff `strategies` need (default: the configured strategy's).
+        cutoff `strategies` need (default: the configured strategy's); for `optimized` the output
+        head runs per group, so that u and the token statistics share its probabilities.
         """
         batch, cfg = rollouts.batch, self.config
         view = trainer_view(batch.semantics, params)
         strategies = strategies or (cfg.algo.ps.strategy,)
-        with_stats = bool({"heuristic", "optimized"} & set(strategies))
-        keep_hidden = "optimized" in strategies
+        optimized = "optimized" in strategies
+        head = output_head(self.model)
         lengths = [len(p) + int(n) for p, n in zip(batch.prompt_ids, batch.mask.sum(dim=1).tolist())]
-        parts: dict[str, list[torch.Tensor]] = {"logp": [], "entropy": [], "sum_p2": [], "hidden_norm": [], "hidden": [],
-                                                "logp_ref": []}
+        parts: dict[str, list[torch.Tensor]] = {"hidden": [], "logp": [], "entropy": [], "logp_ref": []}
         order: list[int] = []
         for micro in micro_batches(list(range(len(lengths))), lengths, cfg.algo.micro_batch_tokens):
             rows = torch.tensor(micro)
             prompts, completions, mask = [batch.prompt_ids[r] for r in micro], batch.completion_ids[rows], batch.mask[rows]
             hidden = completion_hidden(self.model, prompts, completions, mask)
-            stats = chunked_token_stats(
-                hidden, output_head(self.model), completions, mask, view, cfg.model.chunk_tokens, with_stats
-            )
-            for name in ("logp", "entropy", "sum_p2", "hidden_norm"):
-                parts[name].append(getattr(stats, name))
-            if keep_hidden:
+            if optimized:
                 parts["hidden"].append(hidden)
+            else:
+                stats = chunked_token_stats(
+                    hidden, head, completions, mask, view, cfg.model.chunk_tokens, "heuristic" in strategies
+                )
+                parts["logp"].append(stats.logp)
+                parts["entropy"].append(stats.entropy)
             if self.ref_model is not None:
                 parts["logp_ref"].append(
                     token_logprobs(self.ref_model, prompts, completions, mask, view, cfg.model.chunk_tokens).logp
@@ -319,13 +321,23 @@ class Trainer:
         def joined(name: str) -> Optional[torch.Tensor]:
             return torch.cat(parts[name])[inverse] if parts[name] and parts[name][0] is not None else None
 
-        out = OldPass(logp=joined("logp"), logp_ref=joined("logp_ref"))
-        if "heuristic" in strategies:
-            out.entropy = joined("entropy")
-        if keep_hidden:
-            out.grad_norm = grad_norm_proxy(out.logp, joined("sum_p2"), joined("hidden_norm"))
-            out.hidden = joined("hidden")
-        return out
+        if not optimized:
+            return OldPass(logp=joined("logp"), logp_ref=joined("logp_ref"), entropy=joined("entropy"))
+        hidden, k = joined("hidden"), batch.group_size
+        success = rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)  # [G, K]
+        chunk = max(1, cfg.model.chunk_tokens // k)
+        groups = [
+            group_stats(hidden[g * k:(g + 1) * k], head, batch.completion_ids[g * k:(g + 1) * k],
+                        batch.mask[g * k:(g + 1) * k], success[g], cfg.algo.ps.uncertainty, view, chunk)
+            for g in range(len(rollouts.examples))
+        ]
+        logp = torch.cat([s.logp for s in groups])
+        return OldPass(
+            logp=logp, logp_ref=joined("logp_ref"),
+            entropy=torch.cat([s.entropy for s in groups]) if "heuristic" in strategies else None,
+            grad_norm=grad_norm_proxy(logp, torch.cat([s.sum_p2 for s in groups]), torch.cat([s.hidden_norm for s in groups])),
+            uncertainty=torch.stack([s.uncertainty for s in groups]), hidden=hidden,
+        )
 
     def shaped_advantages(self, rollouts: Rollouts, old: OldPass) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Group advantages per token, DC-shaped when `dc` is on; per-token correction weights."""
@@ -346,9 +358,7 @@ class Trainer:
             weights = correction_weights(algo.correction, old.logp, batch.logp_inf, algo.correction_cap) * mask
         return advantages, weights, metrics
 
-    def cutoff_law(
-        self, rollouts: Rollouts, old: OldPass, params: SamplingParams, ps: Optional[PSConfig] = None
-    ) -> torch.Tensor:
+    def cutoff_law(self, rollouts: Rollouts, old: OldPass, ps: Optional[PSConfig] = None) -> torch.Tensor:
         """xi [G, T], the cutoff law of each group under `ps` (default: the configured one)."""
         ps, batch = ps or self.config.algo.ps, rollouts.batch
         k, mask = batch.group_size, batch.mask
@@ -356,20 +366,13 @@ class Trainer:
         if ps.strategy == "heuristic":
             token_weights = old.entropy
         elif ps.strategy == "optimized":
-            success = (rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)).reshape(-1)  # [B]
-            head = output_head(self.model).detach()
-            u = torch.stack([
-                reward_uncertainty(old.hidden[g * k:(g + 1) * k], head, mask[g * k:(g + 1) * k],
-                                   success[g * k:(g + 1) * k], ps.uncertainty, trainer_view(batch.semantics, params))
-                for g in range(len(rollouts.examples))
-            ])  # [G, T]
-            token_weights = old.grad_norm * u.repeat_interleave(k, dim=0)
+            token_weights = old.grad_norm * old.uncertainty.repeat_interleave(k, dim=0)
         return cutoff_law(ps.strategy, mask, k, ps.budget, ps.xi_min, token_weights)
 
-    def cutoff_plan(self, rollouts: Rollouts, old: OldPass, params: SamplingParams) -> PrefixPlan:
+    def cutoff_plan(self, rollouts: Rollouts, old: OldPass) -> PrefixPlan:
         """The PS-PPO plan: which prefix of each completion the graded pass backpropagates."""
         strategy = self.config.algo.ps.strategy
-        return sample_plan(strategy, self.cutoff_law(rollouts, old, params), rollouts.batch.mask, self.generator)
+        return sample_plan(strategy, self.cutoff_law(rollouts, old), rollouts.batch.mask, self.generator)
 
     def update(
         self, rollouts: Rollouts, old: OldPass, advantages: torch.Tensor, weights: torch.Tensor,
@@ -464,7 +467,7 @@ class Trainer:
             lap("old_pass")
             advantages, weights, dc_metrics = self.shaped_advantages(rollouts, old)
             metrics.update(dc_metrics)
-            plan = self.cutoff_plan(rollouts, old, params)
+            plan = self.cutoff_plan(rollouts, old)
             lap("plan")
             metrics.update(self.update(rollouts, old, advantages, weights, plan, params))
             lap("update")

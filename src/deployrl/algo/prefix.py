@@ -226,21 +226,36 @@ def grad_norm_proxy(logp_token: torch.Tensor, sum_p2: torch.Tensor, hidden_norm:
     return sq.clamp(min=0).sqrt() * hidden_norm
 
 
-def reward_uncertainty(
+@dataclass
+class GroupStats:
+    """One group's no-grad output-head pass: per-token statistics [K, T] (zero on padding) and
+    the reward uncertainty u [T]."""
+
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    sum_p2: torch.Tensor
+    hidden_norm: torch.Tensor
+    uncertainty: torch.Tensor
+
+
+def group_stats(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
+    targets: torch.Tensor,
     mask: torch.Tensor,
     success: torch.Tensor,
     metric: str = "tv",
     view: SamplingView = RAW,
     chunk_size: int = 64,
-) -> torch.Tensor:
-    """u [T]: distance between the mean next-token distributions of successful and
-    unsuccessful completions of one group, at each position.
+) -> GroupStats:
+    """log p, entropy and sum p^2 of each target, and u [T]: the distance between the mean
+    next-token distributions of the successful and unsuccessful completions of one group.
 
-    hidden [K, T, D] final hidden states, head_weight [V, D], mask [K, T], success [K] bool.
-    Distributions are softmax(h W^T) processed by `view` (the sampling semantics), averaged over each class's completions
-    alive at t. Only [K, chunk_size, V] probabilities exist at a time, never [K, T, V].
+    hidden [K, T, D] final hidden states, head_weight [V, D], targets [K, T] long, mask [K, T],
+    success [K] bool. Distributions are softmax(h W^T) processed by `view` (the sampling
+    semantics); each class's mean is over its completions alive at t. The per-token statistics
+    and u come from the same [K, chunk_size, V] probabilities, so the optimized cutoff law costs
+    one output-head pass, and no [K, T, V] tensor exists.
     Where one class has no completion alive, u carries the last defined value forward
     (depth beyond the evidence: assume the uncertainty is unchanged); a group with an empty
     class has no evidence at all and gets u = 1 everywhere (no preference between positions).
@@ -248,27 +263,34 @@ def reward_uncertainty(
     if metric not in UNCERTAINTY_METRICS:
         raise unknown_name_error("uncertainty metric", metric, list(UNCERTAINTY_METRICS))
     check_ndim("hidden", hidden, 3, "[K, T, D]")
-    if tuple(mask.shape) != tuple(hidden.shape[:2]) or tuple(success.shape) != (hidden.shape[0],):
+    if not (tuple(mask.shape) == tuple(targets.shape) == tuple(hidden.shape[:2])) or tuple(success.shape) != (hidden.shape[0],):
         raise ValueError(
-            f"hidden {list(hidden.shape)}, mask {list(mask.shape)} and success {list(success.shape)}"
-            " must be [K, T, D], [K, T] and [K]"
+            f"hidden {list(hidden.shape)}, targets {list(targets.shape)}, mask {list(mask.shape)} and success"
+            f" {list(success.shape)} must be [K, T, D], [K, T], [K, T] and [K]"
         )
     length = hidden.shape[1]
     alive = mask.to(torch.float32)
     classes = torch.stack([success, ~success]).to(torch.float32)  # [2, K]
     u = torch.full((length,), float("nan"))
+    stats = torch.zeros(3, *mask.shape)  # logp, entropy, sum p^2
     with torch.no_grad():
         for start in range(0, length, chunk_size):
             stop = min(start + chunk_size, length)
-            logits = hidden[:, start:stop].float() @ head_weight.float().T  # [K, C, V]
-            probs = processed_logits(logits, view).softmax(dim=-1)
+            logits = processed_logits(hidden[:, start:stop].float() @ head_weight.float().T, view)  # [K, C, V]
+            logp_all = logits.log_softmax(dim=-1)
+            probs = logp_all.exp()
+            stats[0, :, start:stop] = logp_all.gather(-1, targets[:, start:stop, None])[..., 0]
+            stats[1, :, start:stop] = -(probs * logp_all.nan_to_num(neginf=0.0)).sum(-1)
+            stats[2, :, start:stop] = probs.square().sum(-1)
             members = classes[:, :, None] * alive[None, :, start:stop]  # [2, K, C]
             counts = members.sum(dim=1)  # [2, C]
             means = torch.einsum("jkc,kcv->jcv", members, probs) / counts.clamp(min=1)[..., None]
             diff = means[0] - means[1]  # [C, V]
             dist = 0.5 * diff.abs().sum(-1) if metric == "tv" else diff.square().sum(-1).sqrt()
             u[start:stop] = torch.where((counts > 0).all(dim=0), dist, torch.nan)
-    return _carry_forward(u)
+        stats = torch.where(mask.bool(), stats, 0.0)  # not a product: -inf log-probs stay out of padding
+        norm = hidden.detach().float().norm(dim=-1) * alive
+    return GroupStats(logp=stats[0], entropy=stats[1], sum_p2=stats[2], hidden_norm=norm, uncertainty=_carry_forward(u))
 
 
 def _carry_forward(values: torch.Tensor) -> torch.Tensor:

@@ -248,7 +248,7 @@ def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any
             old = trainer.old_pass(rollouts, params)
             after_old = time.perf_counter()
             advantages, weights, _ = trainer.shaped_advantages(rollouts, old)
-            plan = trainer.cutoff_plan(rollouts, old, params)
+            plan = trainer.cutoff_plan(rollouts, old)
             after_plan = time.perf_counter()
             metrics = trainer.update(rollouts, old, advantages, weights, plan, params)
             end = time.perf_counter()

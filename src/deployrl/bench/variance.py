@@ -175,7 +175,7 @@ def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: i
     for budget in budgets:
         for strategy in strategies:
             ps = replace(cfg.algo.ps, strategy=strategy, budget=float(budget))
-            xi_groups = trainer.cutoff_law(rollouts, old, params, ps)
+            xi_groups = trainer.cutoff_law(rollouts, old, ps)
             xi = xi_groups.repeat_interleave(batch.group_size, dim=0)[real]
             independent = STRATEGIES.get(strategy).independent_tokens
             plans = [sample_plan(strategy, xi_groups, batch.mask, generator) for _ in range(draws)]

@@ -1,0 +1,450 @@
+"""`deployrl bench step`: seconds and peak memory per whole training step, against TRL with --vs trl.
+
+Rows (each configuration runs in a fresh process, one after the other):
+
+* ``TRL GRPOTrainer`` (with ``--vs trl``): TRL's GRPOTrainer, CPU, fp32, generation with
+  transformers' ``generate`` on the training model, deployrl's task reward;
+* ``deployrl hf:fp32, PS off``: deployrl's HF-style PyTorch engine in fp32, no mismatch
+  correction, every token backpropagated: the same algorithm as the TRL row;
+* ``deployrl hf:fp32, PS on``: the same with PS-PPO's optimized cutoffs (the default budget);
+* ``deployrl as shipped``: the embedded default, llama.cpp Q4_1 sampling with DC-GRPO + PS-PPO
+  (only for a GGUF model: the llama.cpp engine writes its weights into the model's GGUF).
+
+Every row reads the same TrainConfig (the embedded default plus the command's overrides): model,
+prompts (in deployrl's data order, so both frameworks see the same prompts per step, chat-templated
+to the same token ids: checked before TRL trains), K, prompts per step, completion length,
+sampling, optimizer, clip range and loss aggregation. A GGUF model (the default alias
+smollm2-135m) is dequantised once to an fp32 HF folder in the cache directory; TRL and the hf
+rows load that folder.
+
+Per step: seconds; generation seconds (deployrl: ``time/rollout`` = prompt encoding, engine
+sampling, decoding, rewards; TRL: its ``_generate_and_score_completions`` = the same plus group
+advantages); update seconds = the rest of the step (deployrl: the no-grad pass for logp_old,
+advantages, the PS-PPO plan, the graded forward/backward, the optimizer step and the weight sync
+to the engine; TRL: the forward/backward of every micro-batch, clipping and the optimizer step).
+Peak MB is the process's peak resident set size during the steps minus its size once the model,
+engine and trainer were built (RSS polled every 2 ms); process peak MB is the whole process's peak
+(ru_maxrss), loading included. Reported values are the medians of the steps after the first (the
+warm-up); with --steps 1, of that single step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import random
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from deployrl.bench.measure import PeakMemory, in_fresh_process, median, table
+
+HF_ROW = ["rollout.engine=hf:fp32", "algo.correction=none", "algo.dynamic_sampling=off"]
+HF_ROWS = {  # name -> (label, overrides on top of the command's), run on the dequantised model
+    "ps_off": ("deployrl hf:fp32, PS off", [*HF_ROW, "algo.ps.strategy=full"]),
+    "ps_on": ("deployrl hf:fp32, PS on", [*HF_ROW, "algo.ps.strategy=optimized"]),
+}
+TRL_LABEL = "TRL GRPOTrainer"
+# deployrl's loss aggregation -> TRL's loss_type with the same normaliser
+TRL_LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum_norm": "dr_grpo"}
+# deployrl's advantage estimator -> TRL's reward scaling (TRL has no leave-one-out baseline)
+TRL_REWARD_SCALING = {"grpo": "group", "dr_grpo": "none"}
+TRL_SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
+MB = 2**20
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "deployrl" / "bench"
+
+
+# --------------------------------------------------------------------------- shared settings
+
+def trl_settings(config, completions_per_micro_batch: int) -> dict[str, Any]:
+    """GRPOConfig keyword arguments equal to `config`'s settings; ValueError where TRL has no match."""
+    rollout, algo, optim = config.rollout, config.algo, config.optim
+    completions = rollout.prompts_per_step * rollout.group_size
+    problems = []
+    if algo.aggregation not in TRL_LOSS_TYPES:
+        problems.append(f"algo.aggregation={algo.aggregation}")
+    if algo.advantage not in TRL_REWARD_SCALING:
+        problems.append(f"algo.advantage={algo.advantage}")
+    if algo.ppo_epochs != 1 or algo.mini_batches != 1:
+        problems.append("algo.ppo_epochs and algo.mini_batches other than 1 (one TRL optimizer step per step)")
+    if algo.dual_clip is not None or algo.overlong_buffer:
+        problems.append("algo.dual_clip or algo.overlong_buffer")
+    if algo.kl_coef and algo.kl_estimator != "k3":
+        problems.append(f"algo.kl_estimator={algo.kl_estimator} (TRL's KL is k3)")
+    if completions % completions_per_micro_batch:
+        problems.append(f"--trl-micro-batch {completions_per_micro_batch} does not divide {completions} completions")
+    if problems:
+        raise ValueError("no TRL equivalent for: " + "; ".join(problems))
+    return {
+        "num_generations": rollout.group_size,
+        "per_device_train_batch_size": completions_per_micro_batch,
+        "gradient_accumulation_steps": completions // completions_per_micro_batch,  # one optimizer step per step
+        "max_completion_length": rollout.max_new_tokens,
+        "temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k,
+        "learning_rate": optim.lr, "adam_beta1": optim.beta1, "adam_beta2": optim.beta2,
+        "weight_decay": optim.weight_decay, "max_grad_norm": optim.grad_clip, "warmup_steps": optim.warmup_steps,
+        "lr_scheduler_type": TRL_SCHEDULES[optim.schedule],
+        "lr_scheduler_kwargs": {"min_lr_rate": optim.min_lr_ratio} if optim.schedule == "cosine" else None,
+        "beta": algo.kl_coef, "num_iterations": 1, "epsilon": algo.eps_low, "epsilon_high": algo.eps_high,
+        "loss_type": TRL_LOSS_TYPES[algo.aggregation], "scale_rewards": TRL_REWARD_SCALING[algo.advantage],
+        "seed": config.seed,
+    }
+
+
+def prompt_order(config, count: int) -> list[int]:
+    """The indices of the first `count` prompts deployrl's Trainer samples (its shuffled stream)."""
+    from deployrl.tasks import load_task
+
+    size = len(load_task(config.task).examples)
+    order = list(range(size))
+    random.Random(config.seed).shuffle(order)  # as Trainer._data_order
+    return [order[i % size] for i in range(count)]
+
+
+def trl_prompt(prompt, tokenizer):
+    """A TRL dataset prompt that TRL tokenizes as deployrl's `encode_prompts` does."""
+    if getattr(tokenizer, "chat_template", None):
+        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+
+
+# --------------------------------------------------------------------------- one configuration per process
+
+def _set_threads(threads: int | None) -> int:
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _summary(records: list[dict[str, float]], loaded: int, peak: PeakMemory, threads: int) -> dict[str, Any]:
+    for record in records:
+        record["update_s"] = record["step_s"] - record["generation_s"]
+    return {
+        "steps": records,
+        "threads": threads,
+        "loaded_mb": loaded / MB,
+        "peak_mb": peak.peak / MB,
+        "process_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB,  # KiB on Linux
+    }
+
+
+def dequantise(spec: str, target: str) -> dict[str, str]:
+    """Write model `spec` (a GGUF) as an fp32 HF folder with its tokenizer at `target`."""
+    from deployrl.models import load_model, load_tokenizer, resolve_model
+
+    source = resolve_model(spec)
+    partial = Path(target + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    load_model(source, "fp32").save_pretrained(partial)
+    load_tokenizer(source).save_pretrained(partial)
+    partial.rename(target)  # complete folders only: an interrupted run leaves .partial behind
+    return {"path": target}
+
+
+def match_llama_threads(engine, threads: int) -> None:
+    """Run a llama.cpp engine (which takes every CPU by default) on `threads` threads."""
+    if getattr(engine, "n_threads", threads) == threads:
+        return
+    import llama_cpp
+
+    engine.n_threads = threads  # for the model each weight sync reloads
+    llama_cpp.llama_set_n_threads(engine.llm.ctx, threads, threads)  # for the model loaded now
+
+
+def measure_deployrl(overrides: list[str], steps: int, threads: int | None) -> dict[str, Any]:
+    """`steps` steps of deployrl's Trainer; per-step seconds and peak memory."""
+    from deployrl.config import load_config
+    from deployrl.trainer import Trainer
+
+    threads = _set_threads(threads)
+    with tempfile.TemporaryDirectory(prefix="deployrl-bench-step-") as run_dir:
+        config = load_config(None, [
+            *overrides, f"steps={steps}", f"output_dir={run_dir}", "tensorboard=false", "eval.num_prompts=0",
+            "log_samples=0",
+        ])
+        trainer = Trainer(config)
+        match_llama_threads(trainer.engine, threads)
+        records, loaded = [], _rss()
+        with PeakMemory() as peak:
+            for _ in range(steps):
+                metrics = trainer.step()
+                records.append({"step_s": metrics["time/step"], "generation_s": metrics["time/rollout"]})
+        trainer.logger.close()
+    return _summary(records, loaded, peak, threads)
+
+
+def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_batch: int) -> dict[str, Any]:
+    """`steps` optimizer steps of TRL's GRPOTrainer on the same settings; per-step seconds and peak memory."""
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from deployrl.config import load_config
+    from deployrl.models import load_tokenizer, resolve_model
+    from deployrl.prompts import encode_prompts
+    from deployrl.rewards import score_completions
+    from deployrl.tasks import load_task
+
+    threads = _set_threads(threads)
+    config = load_config(None, [*overrides, f"steps={steps}"])
+    task = load_task(config.task)
+    tokenizer = load_tokenizer(resolve_model(config.model.name))
+    per_step = config.rollout.prompts_per_step
+    indices = prompt_order(config, steps * per_step)
+    dataset = Dataset.from_dict({
+        "prompt": [trl_prompt(task.examples[i].prompt, tokenizer) for i in indices],
+        "example_index": indices,
+    })
+
+    def task_reward(completions, example_index, **_) -> list[float]:
+        """deployrl's task reward, through the same scoring path as the Trainer."""
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return score_completions(task.reward, texts, [task.examples[i].reference for i in example_index]).values
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer that adds up the seconds spent generating and scoring."""
+
+        generation_s = 0.0
+
+        def _generate_and_score_completions(self, inputs):
+            start = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(inputs)
+            finally:
+                self.generation_s += time.perf_counter() - start
+
+    records: list[dict[str, float]] = []
+
+    class StepTimer(TrainerCallback):
+        """Seconds from the start of an optimizer step to its end (TRL's logging comes after)."""
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            trainer.generation_s = 0.0
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            records.append({"step_s": time.perf_counter() - self.start, "generation_s": trainer.generation_s})
+
+    with tempfile.TemporaryDirectory(prefix="deployrl-bench-trl-") as out:
+        args = GRPOConfig(
+            output_dir=out, use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False,
+            model_init_kwargs={"dtype": "float32"}, max_steps=steps, shuffle_dataset=False,
+            report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+            **trl_settings(config, micro_batch),
+        )
+        trainer = TimedGRPOTrainer(
+            model=config.model.name, reward_funcs=task_reward, args=args, train_dataset=dataset,
+            callbacks=[StepTimer()],
+        )
+        trainer.remove_callback(PrinterCallback)  # it prints every log line to stdout
+        ours = encode_prompts(tokenizer, [task.examples[i].prompt for i in indices[:per_step]])
+        theirs = [list(ids) for ids in trainer._tokenize_prompts(dataset["prompt"][:per_step])[0]]
+        if theirs != ours:
+            raise RuntimeError("TRL tokenizes the prompts differently from deployrl: the comparison would be unfair")
+        loaded = _rss()
+        with PeakMemory() as peak:
+            trainer.train()
+    return _summary(records, loaded, peak, threads)
+
+
+# --------------------------------------------------------------------------- the command
+
+def hf_model_dir(spec: str, cache_dir: Path) -> tuple[str, bool]:
+    """(a plain HF model folder or hub id for `spec`, whether `spec` is a GGUF), dequantising a GGUF once."""
+    from deployrl.models import resolve_model
+
+    source = resolve_model(spec)
+    if source.gguf_path is None:
+        return source.location, False
+    gguf = source.gguf_path.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha1(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    target = cache_dir / f"{gguf.stem}-{key}-fp32"
+    if not (target / "config.json").is_file():
+        print(f"dequantising {gguf.name} to {target} (once)", file=sys.stderr)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        in_fresh_process("deployrl.bench.step:dequantise", {"spec": spec, "target": str(target)})
+    return str(target), True
+
+
+def environment(threads: int, with_trl: bool) -> list[str]:
+    """Header lines: hardware, threads, load, versions."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.is_file() else []
+    cpu = names[0] if names else platform.processor() or platform.machine()
+    packages = ["torch", "transformers", "llama-cpp-python", "deployrl"] + (["trl", "accelerate"] if with_trl else [])
+    versions = []
+    for package in packages:
+        try:
+            versions.append(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{package} (not installed)")
+    return [
+        f"- hardware: {cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}",
+        f"- torch threads: {threads} (every configuration); load average at start: "
+        + ", ".join(f"{v:.2f}" for v in os.getloadavg()),
+        f"- versions: Python {platform.python_version()}, " + ", ".join(versions),
+    ]
+
+
+def summarise(result: dict[str, Any]) -> dict[str, float]:
+    """Medians of the steps after the first (all steps if there is only one)."""
+    steps = result["steps"][1:] or result["steps"]
+    return {key: median([s[key] for s in steps]) for key in ("step_s", "generation_s", "update_s")}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="deployrl bench step",
+        description=(
+            "Seconds and peak memory per training step: deployrl with its hf:fp32 engine and PS-PPO off"
+            " (every token backpropagated, no mismatch correction) and on, deployrl as shipped (llama.cpp"
+            " Q4_1 with DC-GRPO + PS-PPO, for GGUF models), and with --vs trl TRL's GRPOTrainer (CPU,"
+            " fp32, transformers generate) on the same model, prompts, K, lengths and GRPO settings."
+            " Each configuration runs in a fresh process; reported: medians of the steps after the"
+            " first. The settings are the embedded default (SmolLM2-135M-Instruct, reasoning-gym"
+            " arithmetic, K=8, 4 prompts per step, 32 new tokens) plus the given overrides."
+        ),
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="deployrl config overrides for every row, e.g. rollout.max_new_tokens=64;"
+                             " the hf rows then force their engine, correction, dynamic sampling and PS strategy")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="training steps per configuration; the first is a warm-up when there are more (default 3)")
+    parser.add_argument("--vs", choices=["trl"], default=None, help="also run TRL's GRPOTrainer (pip install trl)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch (and llama.cpp) threads in every configuration (default: torch's default)")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="model: the smollm2-135m alias, a .gguf file or an HF folder (default smollm2-135m)")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where a GGUF model is dequantised to an fp32 HF folder, once"
+                             " (default $XDG_CACHE_HOME/deployrl/bench or ~/.cache/deployrl/bench)")
+    parser.add_argument("--trl-micro-batch", type=int, default=16,
+                        help="TRL completions per forward/backward (gradient accumulation makes up one step of"
+                             " all completions); default 16, about deployrl's 2048-token micro-batch at 32 new tokens")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the raw numbers to PATH")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
+    if args.trl_micro_batch < 1:
+        parser.error("--trl-micro-batch must be >= 1")
+    for item in args.overrides:
+        if "=" not in item or item.startswith("model.name="):
+            parser.error(f"{item!r}: expected a key=value config override (set the model with --model)")
+    return args
+
+
+def plan(args: argparse.Namespace) -> tuple[dict[str, list[str]], dict[str, Any]]:
+    """Each deployrl row's overrides and validated config; raises on a bad model or setting."""
+    from deployrl.config import load_config
+
+    model_dir, is_gguf = hf_model_dir(args.model, args.cache_dir or default_cache_dir())
+    rows = {name: [*args.overrides, f"model.name={model_dir}", *extra] for name, (_, extra) in HF_ROWS.items()}
+    if is_gguf:
+        rows["as_shipped"] = [*args.overrides, f"model.name={args.model}"]
+    else:  # the llama.cpp engine needs the model's own GGUF
+        print("skipping 'deployrl as shipped': the llama.cpp engine needs a GGUF model", file=sys.stderr)
+    configs = {name: load_config(None, overrides) for name, overrides in rows.items()}
+    if args.vs == "trl":
+        trl_settings(configs["ps_off"], args.trl_micro_batch)
+    return rows, configs
+
+
+def label(name: str, config) -> str:
+    if name in HF_ROWS:
+        return HF_ROWS[name][0]
+    return (
+        f"deployrl as shipped ({config.rollout.engine}, correction {config.algo.correction},"
+        f" PS {config.algo.ps.strategy})"
+    )
+
+
+def report(results: dict[str, dict[str, Any]]) -> str:
+    """The markdown table of the medians, with the speed ratio to TRL when it ran."""
+    headers = ["configuration", "s/step", "generation s", "update s", "peak MB", "process peak MB"]
+    baseline = results["trl"]["median"]["step_s"] if "trl" in results else None
+    if baseline is not None:
+        headers.append("speed vs TRL")
+    lines = []
+    for result in results.values():
+        m = result["median"]
+        row = [result["label"], m["step_s"], m["generation_s"], m["update_s"], result["peak_mb"],
+               result["process_peak_mb"]]
+        if baseline is not None:
+            row.append(baseline / m["step_s"])
+        lines.append(row)
+    return table(headers, lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from deployrl.configio import ConfigError
+
+    if args.vs == "trl" and importlib.util.find_spec("trl") is None:
+        print("deployrl bench step: error: --vs trl needs TRL: pip install 'deployrl[bench]'", file=sys.stderr)
+        return 2
+    try:
+        rows, configs = plan(args)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"deployrl bench step: error: {err}", file=sys.stderr)
+        return 2
+
+    threads = args.threads or torch.get_num_threads()
+    shared = configs["ps_off"]
+    settings = (
+        f"- settings: model {args.model}, {shared.rollout.prompts_per_step} prompts x K={shared.rollout.group_size},"
+        f" {shared.rollout.max_new_tokens} new tokens, temperature {shared.rollout.temperature},"
+        f" lr {shared.optim.lr}, aggregation {shared.algo.aggregation}, KL {shared.algo.kl_coef};"
+        f" {args.steps} steps per configuration"
+    )
+    header = [*environment(threads, args.vs == "trl"), settings]
+    print("\n".join(header), flush=True)
+
+    jobs = {}
+    if args.vs == "trl":
+        jobs["trl"] = (TRL_LABEL, "measure_trl", {"overrides": rows["ps_off"], "micro_batch": args.trl_micro_batch})
+    for name, overrides in rows.items():
+        jobs[name] = (label(name, configs[name]), "measure_deployrl", {"overrides": overrides})
+    results = {}
+    for name, (title, function, kwargs) in jobs.items():
+        print(f"running {title} ...", file=sys.stderr, flush=True)
+        result = in_fresh_process(f"deployrl.bench.step:{function}", {**kwargs, "steps": args.steps, "threads": threads})
+        results[name] = {"label": title, **result, "median": summarise(result)}
+
+    print()
+    print(report(results))
+    print(
+        "\ngeneration: sampling, decoding and rewards; update: the rest of the step (deployrl: logp_old pass,"
+        " PS plan, backward, optimizer, weight sync). peak MB: peak RSS during the steps above the RSS once"
+        " everything is loaded; process peak MB: the whole process. Speed vs TRL: TRL's s/step / this s/step."
+    )
+    if args.json is not None:
+        import json
+
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"environment": header, "args": {
+            "steps": args.steps, "threads": threads, "model": args.model, "overrides": args.overrides,
+            "vs": args.vs, "trl_micro_batch": args.trl_micro_batch,
+        }, "results": results}, indent=2) + "\n")
+    return 0
