@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import platform
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -132,10 +133,13 @@ def collect_groups(trainer, groups: int, max_rounds: int):
     from deployrl.trainer import Rollouts, cat_rollouts
 
     parts = []
-    for _ in range(max_rounds):
+    for round_ in range(max_rounds):
         parts.append(trainer.collect())
         trainer.state.step += 1  # new prompts and seeds
-        if sum(len(p.examples) for p in parts) >= groups:
+        kept = sum(len(p.examples) for p in parts)
+        print(f"sampling round {round_ + 1}: mean reward {float(parts[-1].sampled_rewards.mean()):.2f},"
+              f" {kept} of {groups} groups with unequal rewards", file=sys.stderr, flush=True)
+        if kept >= groups:
             break
     parts = [p for p in parts if p.examples]
     if not parts:
