@@ -44,12 +44,12 @@ from deployrl.bench.measure import table
 
 BUDGETS = (32, 64, 128, 256)
 SAMPLED = ("uniform", "temporal", "heuristic", "optimized", "sgrpo")
-# Long completions with a reward that SmolLM2-135M sometimes earns: three two-digit terms,
-# worked step by step. Any of these can be overridden like a `deployrl train` run.
+# Long completions with a reward that SmolLM2-135M earns often enough for groups to disagree:
+# two two-digit terms, worked step by step. Any of these can be overridden like a training run.
 DEFAULTS = (
     "task.instruction=Solve it step by step and end with the final number.",
     (
-        "task.rg_config={min_terms: 3, max_terms: 3, min_digits: 2, max_digits: 2, operators: ['+', '-'],"
+        "task.rg_config={min_terms: 2, max_terms: 2, min_digits: 2, max_digits: 2, operators: ['+', '-'],"
         " allow_parentheses: false, allow_negation: false}"
     ),
     "rollout.max_new_tokens=256",
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("items", nargs="*", metavar="[config.yaml] [key=value ...]",
                         help="a `deployrl train` config and overrides (default: the embedded model and engine on"
-                             " three-term two-digit arithmetic, worked step by step, up to 256 tokens)")
+                             " two-term two-digit arithmetic, worked step by step, up to 256 tokens)")
     parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS), help="token budgets B per completion")
     parser.add_argument("--strategies", nargs="+", default=list(SAMPLED), choices=list(SAMPLED))
     parser.add_argument("--groups", type=int, default=4, help="prompt groups with unequal rewards to gather")
