@@ -18,7 +18,7 @@ from deployrl.algo.advantages import ADVANTAGES
 from deployrl.algo.discrepancy import CORRECTIONS, PENALTIES, SIGNALS
 from deployrl.algo.losses import AGGREGATIONS, KL_ESTIMATORS
 from deployrl.algo.prefix import STRATEGIES, UNCERTAINTY_METRICS
-from deployrl.configio import apply_overrides, build, load_yaml
+from deployrl.configio import ConfigError, apply_overrides, build, load_yaml
 from deployrl.engines import parse_engine_spec
 from deployrl.engines.base import SamplingParams
 from deployrl.models import DTYPES
@@ -251,6 +251,17 @@ class TrainConfig:
                 f"algo.ps.xi_min={self.algo.ps.xi_min} x rollout.max_new_tokens={self.rollout.max_new_tokens}"
                 f" exceeds algo.ps.budget={self.algo.ps.budget}: the budget could not be met"
             )
+
+
+def split_config_items(items: list[str]) -> tuple[Optional[Path], list[str]]:
+    """Command-line `[config.yaml] [key=value ...]` -> (the file or None, the overrides)."""
+    path, overrides = None, list(items)
+    if overrides and "=" not in overrides[0]:
+        path = Path(overrides.pop(0))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"{item!r} is neither the first argument (a config file) nor a key=value override")
+    return path, overrides
 
 
 def load_config(path: Optional[Path] = None, overrides: tuple[str, ...] | list[str] = ()) -> TrainConfig:

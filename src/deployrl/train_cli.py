@@ -23,18 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     args = parser.parse_args(argv)
 
-    from deployrl.config import load_config
+    from deployrl.config import load_config, split_config_items
     from deployrl.configio import ConfigError, to_dict
 
-    path = None
-    overrides = list(args.items)
-    if overrides and "=" not in overrides[0]:
-        path = Path(overrides.pop(0))
-    for item in overrides:
-        if "=" not in item:
-            parser.error(f"{item!r} is neither the first argument (a config file) nor a key=value override")
     try:
-        config = load_config(path, overrides)
+        config = load_config(*split_config_items(args.items))
     except ConfigError as err:
         parser.exit(2, f"deployrl train: error: {err}\n")
     if args.print_config:

@@ -76,14 +76,25 @@ def _chunk_stats(
     hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, view: SamplingView, with_stats: bool
 ) -> torch.Tensor:
     """hidden [N, D], targets [N] -> [N, 1] (logp) or [N, 3] (logp, entropy, sum p^2)."""
-    logits = processed_logits((hidden @ head_weight.T).float(), view)  # [N, V]
-    logp_all = logits.log_softmax(dim=-1)
+    logp_all = processed_logits((hidden @ head_weight.T).float(), view).log_softmax(dim=-1)  # [N, V]
     logp = logp_all.gather(-1, targets[:, None])  # [N, 1]
     if not with_stats:
         return logp
-    probs = logp_all.exp()
-    entropy = -(probs * logp_all.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)
-    return torch.cat([logp, entropy, probs.square().sum(-1, keepdim=True)], dim=-1)
+    with torch.no_grad():  # the proxies are never differentiated
+        probs = logp_all.exp()
+        del logp_all  # at most three [N, V] tensors alive at once
+        entropy, sum_p2 = vocab_stats(probs)
+    return torch.cat([logp, entropy, sum_p2], dim=-1)
+
+
+def vocab_stats(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entropy, sum_v p_v^2), each [..., 1], of distributions probs [..., V].
+
+    xlogy makes 0 log 0 = 0 (tokens removed by top-k / top-p); the reductions hold one extra
+    [..., V] tensor at most.
+    """
+    entropy = -torch.special.xlogy(probs, probs).sum(-1, keepdim=True)
+    return entropy, torch.linalg.vecdot(probs, probs).unsqueeze(-1)
 
 
 def chunked_token_stats(

@@ -36,7 +36,7 @@ import torch
 from scipy.optimize import isotonic_regression
 
 from deployrl.algo._checks import check_ndim, check_positive, check_same_shape
-from deployrl.algo.logprobs import RAW, SamplingView, processed_logits
+from deployrl.algo.logprobs import RAW, SamplingView, processed_logits, vocab_stats
 from deployrl.registry import Registry, unknown_name_error
 
 ShapeFn = Callable[[np.ndarray, Optional[np.ndarray]], np.ndarray]
@@ -276,21 +276,32 @@ def group_stats(
     with torch.no_grad():
         for start in range(0, length, chunk_size):
             stop = min(start + chunk_size, length)
-            logits = processed_logits(hidden[:, start:stop].float() @ head_weight.float().T, view)  # [K, C, V]
-            logp_all = logits.log_softmax(dim=-1)
-            probs = logp_all.exp()
-            stats[0, :, start:stop] = logp_all.gather(-1, targets[:, start:stop, None])[..., 0]
-            stats[1, :, start:stop] = -(probs * logp_all.nan_to_num(neginf=0.0)).sum(-1)
-            stats[2, :, start:stop] = probs.square().sum(-1)
             members = classes[:, :, None] * alive[None, :, start:stop]  # [2, K, C]
-            counts = members.sum(dim=1)  # [2, C]
-            means = torch.einsum("jkc,kcv->jcv", members, probs) / counts.clamp(min=1)[..., None]
-            diff = means[0] - means[1]  # [C, V]
-            dist = 0.5 * diff.abs().sum(-1) if metric == "tv" else diff.square().sum(-1).sqrt()
-            u[start:stop] = torch.where((counts > 0).all(dim=0), dist, torch.nan)
+            stats[:, :, start:stop], dist = _group_chunk(
+                hidden[:, start:stop], head_weight, targets[:, start:stop], members, metric, view
+            )
+            u[start:stop] = torch.where((members.sum(dim=1) > 0).all(dim=0), dist, torch.nan)
         stats = torch.where(mask.bool(), stats, 0.0)  # not a product: -inf log-probs stay out of padding
         norm = hidden.detach().float().norm(dim=-1) * alive
     return GroupStats(logp=stats[0], entropy=stats[1], sum_p2=stats[2], hidden_norm=norm, uncertainty=_carry_forward(u))
+
+
+def _group_chunk(
+    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, members: torch.Tensor, metric: str,
+    view: SamplingView,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of `group_stats`: hidden [K, C, D], targets [K, C], members [2, K, C] ->
+    (logp, entropy, sum p^2) [3, K, C] and the class distance [C]. A function, so that its
+    [K, C, V] temporaries are freed before the next chunk allocates its own."""
+    logp_all = processed_logits(hidden.float() @ head_weight.float().T, view).log_softmax(dim=-1)  # [K, C, V]
+    logp = logp_all.gather(-1, targets[..., None])[..., 0]
+    probs = logp_all.exp()
+    del logp_all
+    entropy, sum_p2 = vocab_stats(probs)
+    means = torch.einsum("jkc,kcv->jcv", members, probs) / members.sum(dim=1).clamp(min=1)[..., None]  # [2, C, V]
+    diff = (means[0] - means[1]).abs_() if metric == "tv" else means[0] - means[1]  # [C, V]
+    dist = 0.5 * diff.sum(-1) if metric == "tv" else torch.linalg.vector_norm(diff, dim=-1)
+    return torch.stack([logp, entropy[..., 0], sum_p2[..., 0]]), dist
 
 
 def _carry_forward(values: torch.Tensor) -> torch.Tensor:

@@ -44,9 +44,9 @@ from deployrl.bench.measure import table
 
 BUDGETS = (32, 64, 128, 256)
 SAMPLED = ("uniform", "temporal", "heuristic", "optimized", "sgrpo")
-# Long completions with a reward that SmolLM2-135M earns often enough for groups to disagree:
-# two two-digit terms, worked step by step. Any of these can be overridden like a training run.
-DEFAULTS = (
+# Without a config file: long completions with a reward that SmolLM2-135M earns often enough for
+# groups to disagree (two two-digit terms, worked step by step), no mismatch correction.
+TASK_DEFAULTS = (
     "task.instruction=Solve it step by step and end with the final number.",
     (
         "task.rg_config={min_terms: 2, max_terms: 2, min_digits: 2, max_digits: 2, operators: ['+', '-'],"
@@ -54,11 +54,10 @@ DEFAULTS = (
     ),
     "rollout.max_new_tokens=256",
     "algo.correction=none",
-    "algo.dynamic_sampling=drop",
     "algo.ps.xi_min=0.01",
-    "tensorboard=false",
-    "eval.num_prompts=0",
 )
+# Always: groups with equal rewards carry no gradient; no logging or evaluation.
+BENCH_SETTINGS = ("algo.dynamic_sampling=drop", "tensorboard=false", "eval.num_prompts=0")
 
 
 def head_gradient_gram(
@@ -240,15 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write every number as JSON")
     args = parser.parse_args(argv)
 
-    from deployrl.config import load_config
+    from deployrl.config import load_config, split_config_items
     from deployrl.trainer import Trainer
 
-    path = None
-    overrides = list(args.items)
-    if overrides and "=" not in overrides[0]:
-        path = Path(overrides.pop(0))
+    path, overrides = split_config_items(args.items)
+    defaults = [*BENCH_SETTINGS, *(() if path else TASK_DEFAULTS)]  # a config file keeps its own task
     with tempfile.TemporaryDirectory() as run_dir:
-        config = load_config(path, [*DEFAULTS, f"output_dir={run_dir}", *overrides])
+        config = load_config(path, [*defaults, f"output_dir={run_dir}", *overrides])
         trainer = Trainer(config)
         numbers = measure(trainer, args.budgets, args.strategies, args.draws, args.groups, args.max_rounds, args.seed)
         trainer.logger.close()
