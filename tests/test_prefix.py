@@ -233,7 +233,7 @@ def test_group_stats_token_statistics_match_the_chunked_pass(gen):
     view = SamplingView(temperature=0.7, top_k=5)
     expected = chunked_token_stats(hidden, head, targets, mask, view, chunk_tokens=7, with_stats=True)
     got = group_stats(hidden, head, targets, mask, torch.tensor([True, False, True, False, False]), view=view,
-                      chunk_size=3)
+                      chunk_size=3, with_entropy=True)
     for name in ("logp", "entropy", "sum_p2", "hidden_norm"):
         torch.testing.assert_close(getattr(got, name), getattr(expected, name), msg=name)
 

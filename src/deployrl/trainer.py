@@ -328,7 +328,8 @@ class Trainer:
         chunk = max(1, cfg.model.chunk_tokens // k)
         groups = [
             group_stats(hidden[g * k:(g + 1) * k], head, batch.completion_ids[g * k:(g + 1) * k],
-                        batch.mask[g * k:(g + 1) * k], success[g], cfg.algo.ps.uncertainty, view, chunk)
+                        batch.mask[g * k:(g + 1) * k], success[g], cfg.algo.ps.uncertainty, view, chunk,
+                        with_entropy="heuristic" in strategies)
             for g in range(len(rollouts.examples))
         ]
         logp = torch.cat([s.logp for s in groups])

@@ -87,13 +87,13 @@ def _chunk_stats(
     return torch.cat([logp, entropy, sum_p2], dim=-1)
 
 
-def vocab_stats(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(entropy, sum_v p_v^2), each [..., 1], of distributions probs [..., V].
+def vocab_stats(probs: torch.Tensor, with_entropy: bool = True) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    """(entropy or None, sum_v p_v^2), each [..., 1], of distributions probs [..., V].
 
     xlogy makes 0 log 0 = 0 (tokens removed by top-k / top-p); the reductions hold one extra
     [..., V] tensor at most.
     """
-    entropy = -torch.special.xlogy(probs, probs).sum(-1, keepdim=True)
+    entropy = -torch.special.xlogy(probs, probs).sum(-1, keepdim=True) if with_entropy else None
     return entropy, torch.linalg.vecdot(probs, probs).unsqueeze(-1)
 
 

@@ -232,7 +232,7 @@ class GroupStats:
     the reward uncertainty u [T]."""
 
     logp: torch.Tensor
-    entropy: torch.Tensor
+    entropy: Optional[torch.Tensor]  # only when asked for: one more pass over [K, T, V]
     sum_p2: torch.Tensor
     hidden_norm: torch.Tensor
     uncertainty: torch.Tensor
@@ -247,6 +247,7 @@ def group_stats(
     metric: str = "tv",
     view: SamplingView = RAW,
     chunk_size: int = 64,
+    with_entropy: bool = False,
 ) -> GroupStats:
     """log p, entropy and sum p^2 of each target, and u [T]: the distance between the mean
     next-token distributions of the successful and unsuccessful completions of one group.
@@ -278,30 +279,34 @@ def group_stats(
             stop = min(start + chunk_size, length)
             members = classes[:, :, None] * alive[None, :, start:stop]  # [2, K, C]
             stats[:, :, start:stop], dist = _group_chunk(
-                hidden[:, start:stop], head_weight, targets[:, start:stop], members, metric, view
+                hidden[:, start:stop], head_weight, targets[:, start:stop], members, metric, view, with_entropy
             )
             u[start:stop] = torch.where((members.sum(dim=1) > 0).all(dim=0), dist, torch.nan)
         stats = torch.where(mask.bool(), stats, 0.0)  # not a product: -inf log-probs stay out of padding
         norm = hidden.detach().float().norm(dim=-1) * alive
-    return GroupStats(logp=stats[0], entropy=stats[1], sum_p2=stats[2], hidden_norm=norm, uncertainty=_carry_forward(u))
+    return GroupStats(
+        logp=stats[0], entropy=stats[1] if with_entropy else None, sum_p2=stats[2], hidden_norm=norm,
+        uncertainty=_carry_forward(u),
+    )
 
 
 def _group_chunk(
     hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, members: torch.Tensor, metric: str,
-    view: SamplingView,
+    view: SamplingView, with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of `group_stats`: hidden [K, C, D], targets [K, C], members [2, K, C] ->
-    (logp, entropy, sum p^2) [3, K, C] and the class distance [C]. A function, so that its
+    (logp, entropy or 0, sum p^2) [3, K, C] and the class distance [C]. A function, so that its
     [K, C, V] temporaries are freed before the next chunk allocates its own."""
     logp_all = processed_logits(hidden.float() @ head_weight.float().T, view).log_softmax(dim=-1)  # [K, C, V]
     logp = logp_all.gather(-1, targets[..., None])[..., 0]
     probs = logp_all.exp()
     del logp_all
-    entropy, sum_p2 = vocab_stats(probs)
+    entropy, sum_p2 = vocab_stats(probs, with_entropy)
     means = torch.einsum("jkc,kcv->jcv", members, probs) / members.sum(dim=1).clamp(min=1)[..., None]  # [2, C, V]
     diff = (means[0] - means[1]).abs_() if metric == "tv" else means[0] - means[1]  # [C, V]
     dist = 0.5 * diff.sum(-1) if metric == "tv" else torch.linalg.vector_norm(diff, dim=-1)
-    return torch.stack([logp, entropy[..., 0], sum_p2[..., 0]]), dist
+    entropy = entropy[..., 0] if with_entropy else torch.zeros_like(logp)
+    return torch.stack([logp, entropy, sum_p2[..., 0]]), dist
 
 
 def _carry_forward(values: torch.Tensor) -> torch.Tensor:
