@@ -19,7 +19,10 @@ A checkpoint is built in a temporary directory next to the final one (``.tmp-ste
 file is fsync'ed, then the directory is renamed into place. ``manifest.json`` is the completeness
 marker: a directory without it (a crash during the save) is ignored by `latest_checkpoint` and
 refused by `load_checkpoint`, and a file whose size or sha256 differs from the manifest is
-refused with an error naming it. One process writes a run directory at a time.
+refused with an error naming it. A save that fails (disk full, directory not writable) removes
+its temporary directory and raises a CheckpointError; the checkpoints before it are untouched,
+since old ones are pruned only after a new one is in place. One process writes a run directory
+at a time.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"}
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the objects it is loaded into."""
+    """A checkpoint is missing, incomplete, corrupt, cannot be written, or does not fit the objects
+    it is loaded into."""
 
 
 # ----------------------------------------------------------------------------- JSON + tensors
@@ -449,10 +453,21 @@ def list_checkpoints(run_dir: Path, deep: bool = False) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint of `run_dir` (sizes checked, not hashes), or None."""
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
+def latest_checkpoint(run_dir: Path, deep: bool = False) -> Optional[Path]:
+    """The newest complete checkpoint of `run_dir`, or None.
+
+    Sizes are checked; with `deep` also every sha256, newest first, so that a corrupt newest
+    checkpoint is skipped (with a warning) for the one before it.
+    """
+    for path in reversed(list_checkpoints(run_dir)):
+        if deep:
+            try:
+                verify_checkpoint(path, deep=True)
+            except CheckpointError as err:
+                warnings.warn(f"skipping checkpoint: {err}", RuntimeWarning, stacklevel=2)
+                continue
+        return path
+    return None
 
 
 def save_checkpoint(
@@ -481,10 +496,11 @@ def save_checkpoint(
     if not isinstance(trainer_state, Mapping):
         raise TypeError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
     root = Path(run_dir) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{int(step):08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    tmp = None
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
         _save_state(tmp, "rng", _rng_state(generators))
         _save_state(tmp, "trainer_state", dict(trainer_state))  # first: a bad value fails fast
         if optimizer is not None:
@@ -496,8 +512,17 @@ def save_checkpoint(
         _write_manifest(tmp, int(step))
         _fsync_dir(tmp)
         _move_into_place(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as err:
+        from safetensors import SafetensorError  # how safetensors reports a failed write
+
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, (OSError, SafetensorError)):  # disk full, read-only or vanished directory
+            previous = latest_checkpoint(run_dir)
+            raise CheckpointError(
+                f"could not write checkpoint {final}: {err}. Nothing of it was kept; the previous checkpoint"
+                f" ({previous or 'none'}) is untouched. Free space in {root} or make it writable, then resume"
+            ) from err
         raise
     _prune(root, final, keep_last)
     return final

@@ -75,10 +75,15 @@ class RolloutConfig:
     top_p: float = 1.0  # 1 = off, the training default
     top_k: int = 0  # 0 = off, the training default
     context_length: int = 2048  # the engine's context (prompt + completion)
+    max_retries: int = 2  # a failed, hung or malformed generation is retried this often on a fresh engine
+    timeout_s: Optional[float] = None  # seconds one generation call may take before it counts as hung; None: no limit
 
     def __post_init__(self) -> None:
         parse_engine_spec(self.engine)
         check_positive("prompts_per_step", self.prompts_per_step)
+        check_non_negative("max_retries", self.max_retries)
+        if self.timeout_s is not None:
+            check_positive("timeout_s", self.timeout_s)
         if self.group_size < 2:
             raise ValueError(f"group_size must be >= 2 (group-relative advantages), got {self.group_size}")
         self.sampling(seed=0)
@@ -186,9 +191,11 @@ class OptimConfig:
     warmup_steps: int = 2
     schedule: str = "constant"  # constant or cosine (to min_lr_ratio x lr at the last step)
     min_lr_ratio: float = 0.1
+    max_skipped_steps: int = 3  # consecutive steps with a non-finite loss or gradient before the run stops
 
     def __post_init__(self) -> None:
         check_positive("lr", self.lr)
+        check_positive("max_skipped_steps", self.max_skipped_steps)
         check_non_negative("weight_decay", self.weight_decay)
         check_non_negative("grad_clip", self.grad_clip)
         check_non_negative("warmup_steps", self.warmup_steps)

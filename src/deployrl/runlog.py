@@ -4,13 +4,15 @@
       config.yaml        the resolved config
       metrics.jsonl      one line per log() call: {"step": ..., metric: value}; NaN/inf -> null
       samples.jsonl      one line per sample: {"step": ..., "prompt": ..., "completion": ...}
+      events.jsonl       one line per fault or stop: {"step": ..., "event": ..., ...}; never truncated
       tensorboard/       TensorBoard event files (tensorboard --logdir run_dir/tensorboard)
       plots/             PNG plots written by RunLogger.plot()
       checkpoints/       see deployrl.checkpoint
 
 A run directory that already holds metrics or checkpoints is refused unless `resume=True`;
 a resumed run drops the lines past the resumed step first (`truncate_after`), so its files hold
-every step once.
+every step once. `events.jsonl` is the record of what went wrong (skipped updates, engine
+retries, reward failures, interrupts): it keeps the events of steps that were later redone.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
 SAMPLES = "samples.jsonl"
+EVENTS = "events.jsonl"
 TENSORBOARD = "tensorboard"
 PLOTS = "plots"
 
@@ -77,6 +80,32 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class RunDirectoryError(OSError):
+    """The run directory cannot be created or written."""
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create `run_dir` and write, flush and remove a probe file in it; RunDirectoryError if that fails.
+
+    Run before the model loads, so that an unwritable or full output directory fails in seconds.
+    """
+    run_dir = Path(run_dir)
+    probe = run_dir / f".write-probe-{os.getpid()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(probe, "w", encoding="utf-8") as f:
+            f.write("deployrl\n")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as err:
+        raise RunDirectoryError(
+            err.errno,
+            f"cannot write to the run directory {run_dir} (output_dir): {err.strerror or err}"
+            f"{f' ({err.filename})' if err.filename else ''}; choose a writable output_dir or free space",
+        ) from err
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -143,6 +172,7 @@ class RunLogger:
             self.truncate_after(resume_step)
         self._metrics = open(self.run_dir / METRICS, "a", encoding="utf-8")
         self._samples = None
+        self._events = None
         if wandb:
             module = _wandb_module()
             if module is None:
@@ -224,8 +254,16 @@ class RunLogger:
             self._samples.write(json.dumps(line, allow_nan=False, ensure_ascii=False) + "\n")
         self._samples.flush()
 
+    def log_event(self, step: int, event: str, **details: Any) -> None:
+        """One line {"step": step, "event": event, **details} in events.jsonl, flushed at once."""
+        if self._events is None:
+            self._events = open(self.run_dir / EVENTS, "a", encoding="utf-8")
+        line = {"step": int(step), "event": event, **_plain(details)}
+        self._events.write(json.dumps(line, allow_nan=False, ensure_ascii=False) + "\n")
+        self._events.flush()
+
     def flush(self) -> None:
-        for handle in (self._metrics, self._samples):
+        for handle in (self._metrics, self._samples, self._events):
             if handle is not None and not handle.closed:
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -236,7 +274,7 @@ class RunLogger:
         if self._closed:
             return
         self.flush()
-        for handle in (self._metrics, self._samples):
+        for handle in (self._metrics, self._samples, self._events):
             if handle is not None:
                 handle.close()
         if self._tb is not None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 from pathlib import Path
 
 
@@ -36,10 +38,31 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
 
-    from deployrl.trainer import Trainer
+    from deployrl.checkpoint import CheckpointError, latest_checkpoint
+    from deployrl.runlog import RunDirectoryError
+    from deployrl.trainer import Trainer, TrainingError, TrainingInterrupted
 
-    trainer = Trainer(config, resume=args.resume)
-    trainer.run()
+    resume_command = shlex.join(
+        ["deployrl", "train", *args.items, *(["--export", args.export] if args.export else []), "--resume"]
+    )
+    try:
+        trainer = Trainer(config, resume=args.resume)
+    except (RunDirectoryError, CheckpointError) as err:
+        print(f"deployrl train: error: {err}", file=sys.stderr)
+        return 1
+    trainer.resume_command = resume_command
+    if trainer.resumed_from is not None:
+        print(f"resuming from {trainer.resumed_from} (step {trainer.state.step})", file=sys.stderr)
+    try:
+        trainer.run()
+    except TrainingInterrupted as stop:
+        print(f"deployrl train: {stop}", file=sys.stderr)
+        return 128 + stop.signum  # the shell's convention for "killed by this signal"
+    except (TrainingError, CheckpointError, OSError) as err:
+        last = latest_checkpoint(trainer.run_dir)
+        print(f"deployrl train: error: {err}\nthe last checkpoint is {last or 'none (a resume starts over)'};"
+              f" resume with: {resume_command}", file=sys.stderr)
+        return 1
     if args.export:
         written = trainer.export(Path(args.export))
         print("exported: " + ", ".join(str(p) for p in written.values()))

@@ -16,13 +16,22 @@ Each stage is a function below; `Trainer.step` strings them together. Deviations
   first batch, measured before any update (the scale of delta depends on model and engine);
 * rows are group-major; groups whose rewards are all equal are dropped (or refilled) when
   the KL term is off, since their advantages are exactly zero.
+
+Faults (docs/runs.md, "What survives what"): an optimizer update whose loss or gradient is not
+finite is skipped and logged, and `optim.max_skipped_steps` such steps in a row stop the run; a
+generation that raises, hangs past `rollout.timeout_s` or returns a malformed batch is retried
+on a fresh engine (`rollout.max_retries`); a reward that fails on every completion stops the
+run; SIGINT/SIGTERM finish the step, save a checkpoint and raise TrainingInterrupted.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,16 +52,85 @@ from deployrl.algo.discrepancy import (
 from deployrl.algo.logprobs import chunked_token_stats
 from deployrl.algo.losses import policy_loss
 from deployrl.algo.prefix import PrefixPlan, cutoff_law, grad_norm_proxy, group_stats, sample_plan
-from deployrl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from deployrl.checkpoint import checkpoint_step, export_model, latest_checkpoint, load_checkpoint, save_checkpoint
 from deployrl.config import PSConfig, TrainConfig
 from deployrl.configio import to_dict
 from deployrl.engines import make_engine
-from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
+from deployrl.engines.base import RolloutBatch, SamplingParams, check_rollouts, trainer_view
 from deployrl.models import completion_hidden, load_model, load_tokenizer, output_head, resolve_model, token_logprobs
 from deployrl.prompts import encode_prompts
 from deployrl.rewards import overlong_penalty, score_completions
-from deployrl.runlog import RunLogger, format_postfix, progress
+from deployrl.runlog import EVENTS, RunLogger, check_writable, format_postfix, progress
 from deployrl.tasks import Example, Task, load_task
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """The run stopped on a fault it could not work around; the message says what and what to do."""
+
+
+class EngineError(TrainingError):
+    """The rollout engine failed on every attempt (`rollout.max_retries` retries on fresh engines)."""
+
+
+class EngineTimeout(TimeoutError):
+    """A generation call ran past `rollout.timeout_s`."""
+
+
+class RewardFailure(TrainingError):
+    """The reward failed on every completion of a step."""
+
+
+class NonFiniteError(TrainingError):
+    """`optim.max_skipped_steps` steps in a row had a non-finite loss or gradient."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the run; `checkpoint` is where it resumes from (None: the start).
+
+    A KeyboardInterrupt, so that `except Exception` clauses do not swallow it.
+    """
+
+    def __init__(self, message: str, signum: int, checkpoint: Optional[Path] = None) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.checkpoint = checkpoint
+
+
+class StopSignals:
+    """Within `with`: the first SIGINT or SIGTERM is recorded in `signum` (the loop stops after
+    the current step); a second one raises TrainingInterrupted at once, abandoning the step.
+
+    Handlers are installed only in the main thread (the only one Python delivers signals to)
+    and the previous ones are restored on exit.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            # None: the previous handler was not installed from Python; the default is the best guess
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            raise TrainingInterrupted(f"a second {name} abandoned the step in progress", signum)
+        self.signum = signum
+        log.warning("%s: stopping after the current step, with a checkpoint (send it again to stop at once,"
+                    " losing the steps since the last checkpoint)", name)
 
 
 @dataclass
@@ -88,6 +166,7 @@ class TrainState:
     data_position: int = 0
     tolerance: Optional[float] = None
     dual: dict[str, float] = field(default_factory=dict)
+    skipped_in_a_row: int = 0  # consecutive steps with a skipped (non-finite) update
 
 
 def cat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
@@ -177,14 +256,17 @@ class Trainer:
                 f" rollout.prompts_per_step={config.rollout.prompts_per_step}"
             )
         self.run_dir = Path(config.output_dir)
+        check_writable(self.run_dir)  # before the model loads: an unwritable directory fails in seconds
         self.source = resolve_model(config.model.name)
         self.tokenizer = load_tokenizer(self.source, config.model.trust_remote_code)
         self.model = load_model(
             self.source, config.model.dtype, config.model.activation_checkpointing, config.model.trust_remote_code
         )
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if config.algo.kl_coef > 0 else None
-        eos = self.eos_token_ids()
-        self.engine = make_engine(config.rollout.engine, self.model, self.source, eos, config.rollout.context_length)
+        self.vocab_size = output_head(self.model).shape[0]
+        self.engine = self.build_engine()
+        # the command that continues this run, for stop messages (the CLI sets the real one)
+        self.resume_command = "deployrl train <your config and overrides> --resume"
         optim = config.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay
@@ -197,9 +279,12 @@ class Trainer:
         self.order = self._data_order()
         self.eval_task: Optional[Task] = None
         self.resumed_from: Optional[Path] = None
-        checkpoint = latest_checkpoint(self.run_dir) if resume else None
+        # sha256s checked: a corrupt newest checkpoint is skipped for the one before it
+        checkpoint = latest_checkpoint(self.run_dir, deep=True) if resume else None
         if checkpoint is not None:
-            saved = load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler, {"plan": self.generator})
+            saved = load_checkpoint(
+                checkpoint, self.model, self.optimizer, self.scheduler, {"plan": self.generator}, verify=False
+            )
             self.state = TrainState(**saved)
             self.dual.load_state_dict(self.state.dual)
             if self.state.tolerance is not None:
@@ -207,15 +292,17 @@ class Trainer:
             self.engine.sync(self.model.state_dict())
             self.resumed_from = checkpoint
         else:
+            if resume:
+                log.warning("no complete checkpoint in %s: the run starts from step 0", self.run_dir / "checkpoints")
             random.seed(config.seed)
             np.random.seed(config.seed)
             torch.manual_seed(config.seed)
         self.logger = RunLogger(
-            self.run_dir, to_dict(config), tensorboard=config.tensorboard, wandb=config.wandb,
-            resume=self.resumed_from is not None,
+            self.run_dir, to_dict(config), tensorboard=config.tensorboard, wandb=config.wandb, resume=resume,
         )
-        if self.resumed_from is not None:
-            self.logger.truncate_after(self.state.step)
+        if resume:  # drop what the lost steps logged (all of it when there was no checkpoint)
+            self.logger.truncate_after(self.state.step if self.resumed_from is not None else -1)
+            self.logger.log_event(self.state.step, "resumed", checkpoint=self.resumed_from)
 
     def eos_token_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -223,6 +310,11 @@ class Trainer:
         eos = getattr(generation, "eos_token_id", None)
         ids |= set(eos if isinstance(eos, list) else [eos])
         return sorted(i for i in ids if i is not None)
+
+    def build_engine(self):
+        """A new rollout engine holding the model's current weights."""
+        rollout = self.config.rollout
+        return make_engine(rollout.engine, self.model, self.source, self.eos_token_ids(), rollout.context_length)
 
     def _data_order(self) -> list[int]:
         order = list(range(len(self.task.examples)))
@@ -238,14 +330,83 @@ class Trainer:
         self.state.data_position += count
         return picked
 
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutBatch:
+        """`engine.generate`, checked by `check_rollouts`; a call that raises, runs past
+        `rollout.timeout_s` or returns a malformed batch is retried on a fresh engine, at most
+        `rollout.max_retries` times, then EngineError. Sampling seeds are the same on a retry,
+        so a recovered step samples what the first attempt would have."""
+        rollout = self.config.rollout
+        if self.engine is not None:
+            self.engine.check_prompts(prompt_ids, params)  # a prompt too long is the data's fault: no retry
+        for attempt in range(rollout.max_retries + 1):
+            try:
+                if self.engine is None:
+                    self.engine = self.build_engine()
+                batch = self._generate_within_timeout(prompt_ids, params)
+                check_rollouts(batch, prompt_ids, params, self.vocab_size)
+                return batch
+            except Exception as err:
+                error = f"{type(err).__name__}: {err}"
+                self.engine = None  # never reused: it may be hung, or broken in a way a retry would repeat
+                self.logger.log_event(self.state.step + 1, "engine_failure", engine=rollout.engine,
+                                      attempt=attempt + 1, error=error)
+                log.warning("rollout engine %s failed (attempt %d of %d): %s", rollout.engine, attempt + 1,
+                            rollout.max_retries + 1, error)
+                if attempt == rollout.max_retries:
+                    raise EngineError(
+                        f"the rollout engine {rollout.engine} failed {attempt + 1} times in a row at step"
+                        f" {self.state.step + 1}; last error: {error}. Check the engine (for llamacpp: the"
+                        " llama-cpp-python install), or raise rollout.max_retries / rollout.timeout_s"
+                    ) from err
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _generate_within_timeout(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutBatch:
+        timeout = self.config.rollout.timeout_s
+        engine = self.engine
+        if timeout is None:
+            return engine.generate(prompt_ids, params)
+        box: dict[str, object] = {}
+
+        def call() -> None:
+            try:
+                box["batch"] = engine.generate(prompt_ids, params)
+            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+                box["error"] = err
+
+        worker = threading.Thread(target=call, name="deployrl-rollout", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            # Python cannot stop the call: it is abandoned together with its engine.
+            raise EngineTimeout(f"{engine.name} did not return within rollout.timeout_s={timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box["batch"]
+
     def sample(self, examples: list[Example], params: SamplingParams) -> Rollouts:
-        """Generate K completions per example with the engine and score them."""
+        """Generate K completions per example with the engine and score them.
+
+        Reward failures (raised, timed out, NaN or not a number: those completions score 0) are
+        logged to events.jsonl; a reward that fails on every completion raises RewardFailure.
+        """
         prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples])
-        batch = self.engine.generate(prompt_ids, params)
+        batch = self.generate(prompt_ids, params)
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in batch.completions()]
         k = params.n
         references = [examples[row // k].reference for row in range(len(texts))]
         scores = score_completions(self.task.reward, texts, references)
+        failed = scores.failures + scores.timeouts
+        if failed:
+            self.logger.log_event(self.state.step + 1, "reward_failures", reward=self.task.reward_name,
+                                  completions=len(texts), failures=scores.failures, timeouts=scores.timeouts,
+                                  errors=scores.errors)
+        if failed == len(texts):
+            raise RewardFailure(
+                f"the reward {self.task.reward_name!r} failed on all {len(texts)} completions of step"
+                f" {self.state.step + 1}: {scores.errors[0]}"
+                + (f" (and {len(scores.errors) - 1} other errors, in {EVENTS})" if len(scores.errors) > 1 else "")
+                + "; fix the reward, then resume"
+            )
         values = scores.values
         if self.config.algo.overlong_buffer:  # DAPO: soft punishment of completions near the limit
             values = [
@@ -347,13 +508,15 @@ class Trainer:
         advantages = broadcast_to_tokens(compute_advantages(algo.advantage, rollouts.rewards), mask)
         delta = token_discrepancy(old.logp, batch.logp_inf, mask, algo.dc.signal)
         mean_d = float(trajectory_discrepancy(delta, mask).mean())
-        if self.state.tolerance is None:  # c relative to what this engine really does
+        if self.state.tolerance is None and math.isfinite(mean_d):  # c relative to what this engine really does
             self.state.tolerance = algo.dc.relative_tolerance * mean_d
             self.dual.tolerance = self.state.tolerance
-        metrics = {f"dc/{k}": float(v) for k, v in discrepancy_summary(delta, mask, old.logp, self.state.tolerance).items()}
-        metrics["dc/tolerance"] = self.state.tolerance
+        # a non-finite first batch leaves c unset; this step's update is then non-finite and skipped
+        tolerance = self.state.tolerance if self.state.tolerance is not None else math.nan
+        metrics = {f"dc/{k}": float(v) for k, v in discrepancy_summary(delta, mask, old.logp, tolerance).items()}
+        metrics["dc/tolerance"] = tolerance
         if algo.correction == "dc":
-            advantages = shape_advantages(advantages, delta, mask, self.dual.lam, algo.dc.penalty, self.state.tolerance)
+            advantages = shape_advantages(advantages, delta, mask, self.dual.lam, algo.dc.penalty, tolerance)
             weights = torch.ones_like(advantages)
         else:
             weights = correction_weights(algo.correction, old.logp, batch.logp_inf, algo.correction_cap) * mask
@@ -379,7 +542,13 @@ class Trainer:
         self, rollouts: Rollouts, old: OldPass, advantages: torch.Tensor, weights: torch.Tensor,
         plan: PrefixPlan, params: SamplingParams,
     ) -> dict[str, float]:
-        """PPO epochs over mini-batches; the graded pass sees each row's kept prefix only."""
+        """PPO epochs over mini-batches; the graded pass sees each row's kept prefix only.
+
+        An optimizer update whose loss or gradient norm is not finite is skipped (weights and
+        optimizer state untouched) and logged to events.jsonl with its examples' ids; the
+        scheduler steps only when at least one update was applied, so a step without any leaves
+        the whole optimizer state as it was.
+        """
         cfg, batch = self.config, rollouts.batch
         algo = cfg.algo
         view = trainer_view(batch.semantics, params)
@@ -388,6 +557,7 @@ class Trainer:
         row_tokens = [len(p) + c for p, c in zip(batch.prompt_ids, cutoffs)]
         rows_all = list(range(len(cutoffs)))
         losses, clip_fracs, grad_norms, graded_tokens = [], [], [], 0
+        applied, skipped = 0, 0
         self.model.train()
         for _ in range(algo.ppo_epochs):
             order = torch.randperm(len(rows_all), generator=self.generator).tolist()
@@ -398,7 +568,7 @@ class Trainer:
                 idx = torch.tensor(mini)
                 count = batch.mask[idx].sum() if algo.aggregation == "token_mean" else len(mini)
                 self.optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
+                step_loss, nonfinite_rows = 0.0, []
                 active = [r for r in mini if cutoffs[r] > 0]
                 for micro in micro_batches(active, row_tokens, algo.micro_batch_tokens):
                     rows = torch.tensor(micro)
@@ -419,13 +589,27 @@ class Trainer:
                         kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
                     )
                     out.loss.backward()
-                    step_loss += float(out.loss.detach())
+                    micro_loss = float(out.loss.detach())
+                    if not math.isfinite(micro_loss):
+                        nonfinite_rows += micro
+                    step_loss += micro_loss
                     clip_fracs.append(float(out.metrics["clip_fraction"]))
-                if cfg.optim.grad_clip > 0:
-                    grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)))
-                self.optimizer.step()
                 losses.append(step_loss)
-        self.scheduler.step()
+                # clip_grad_norm_ in two halves, so that the norm is checked before anything changes
+                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+                total_norm = torch.nn.utils.get_total_norm(grads)
+                if not (math.isfinite(step_loss) and math.isfinite(float(total_norm))):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    self._log_skipped_update(rollouts, nonfinite_rows or mini, step_loss, float(total_norm))
+                    continue
+                if cfg.optim.grad_clip > 0:
+                    torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), cfg.optim.grad_clip, total_norm)
+                grad_norms.append(float(total_norm))
+                self.optimizer.step()
+                applied += 1
+        if applied:
+            self.scheduler.step()
         self.model.eval()
         return {
             "loss": float(np.mean(losses)) if losses else 0.0,
@@ -436,7 +620,17 @@ class Trainer:
             "ps/tokens_total": float(batch.mask.sum()),
             "ps/expected_kept": float(plan.expected_tokens),
             "lr": self.scheduler.get_last_lr()[0],
+            "optim/updates": float(applied),
+            "optim/skipped_updates": float(skipped),
         }
+
+    def _log_skipped_update(self, rollouts: Rollouts, rows: list[int], loss: float, grad_norm: float) -> None:
+        k = rollouts.batch.group_size
+        ids = list(dict.fromkeys(rollouts.examples[r // k].source for r in sorted(rows)))
+        self.logger.log_event(self.state.step + 1, "nonfinite_update", loss=loss, grad_norm=grad_norm,
+                              examples=ids, rows=sorted(rows))
+        log.warning("step %d: non-finite loss (%s) or gradient norm (%s): update skipped, weights untouched;"
+                    " examples %s", self.state.step + 1, loss, grad_norm, ids)
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -472,10 +666,12 @@ class Trainer:
             lap("plan")
             metrics.update(self.update(rollouts, old, advantages, weights, plan, params))
             lap("update")
-            if cfg.algo.correction == "dc":
-                metrics["dc/lambda_used"] = self.dual.lam
-                self.dual.step(metrics["dc/mean_D"])
-            self.engine.sync(self.model.state_dict())
+            self._count_skips(metrics["optim/skipped_updates"] > 0)
+            if metrics["optim/updates"]:  # weights changed: λ and the engine follow
+                if cfg.algo.correction == "dc":
+                    metrics["dc/lambda_used"] = self.dual.lam
+                    self.dual.step(metrics["dc/mean_D"])
+                self.engine.sync(self.model.state_dict())
             lap("sync")
             self.logger.log_samples(self.state.step + 1, [
                 {"prompt": str(e.prompt), "completion": t, "reward": float(r)}
@@ -491,34 +687,87 @@ class Trainer:
         metrics.update(times)
         return metrics
 
+    def _count_skips(self, skipped: bool) -> None:
+        """Count steps with a skipped update in a row; NonFiniteError at `optim.max_skipped_steps`."""
+        self.state.skipped_in_a_row = self.state.skipped_in_a_row + 1 if skipped else 0
+        limit = self.config.optim.max_skipped_steps
+        if self.state.skipped_in_a_row >= limit:
+            raise NonFiniteError(
+                f"stopped at step {self.state.step + 1}: the loss or gradient was not finite in {limit} steps in a"
+                f" row (optim.max_skipped_steps={limit}); the weights are those of the last finite update. The"
+                f" offending examples are listed in {self.run_dir / EVENTS}. Lower optim.lr, keep optim.grad_clip"
+                " on, check the reward and data, then resume from the last checkpoint"
+            )
+
     def run(self) -> list[dict[str, float]]:
+        """Train up to `steps`, saving every `save_every` steps and at the end.
+
+        SIGINT or SIGTERM: the current step finishes, a checkpoint is saved and TrainingInterrupted
+        is raised; a second signal abandons the step at once (the run resumes from the last
+        checkpoint). The previous signal handlers are restored when run returns.
+        """
         cfg = self.config
         history = []
         bar = progress(cfg.steps, initial=self.state.step)
         try:
-            if cfg.eval.before_training and cfg.eval.num_prompts and self.state.step == 0:
-                initial = {f"eval/{k}": v for k, v in self.evaluate().items()}
-                self.logger.log(0, initial)
-                history.append(initial)
-            while self.state.step < cfg.steps:
-                metrics = self.step()
-                if cfg.eval.every and self.state.step % cfg.eval.every == 0:
-                    metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
-                self.logger.log(self.state.step, metrics)
-                history.append(metrics)
-                bar.update(1)
-                bar.set_postfix(format_postfix(metrics))
-                if self.state.step % cfg.save_every == 0 or self.state.step == cfg.steps:
-                    self.save()
-            if cfg.eval.num_prompts and not cfg.eval.every:
-                final = {f"eval/{k}": v for k, v in self.evaluate().items()}
-                self.logger.log(self.state.step, final)
-                history.append(final)
+            with StopSignals() as signals:
+                if cfg.eval.before_training and cfg.eval.num_prompts and self.state.step == 0:
+                    initial = {f"eval/{k}": v for k, v in self.evaluate().items()}
+                    self.logger.log(0, initial)
+                    history.append(initial)
+                while self.state.step < cfg.steps:
+                    metrics = self.step()
+                    if cfg.eval.every and self.state.step % cfg.eval.every == 0:
+                        metrics.update({f"eval/{k}": v for k, v in self.evaluate().items()})
+                    self.logger.log(self.state.step, metrics)
+                    history.append(metrics)
+                    bar.update(1)
+                    bar.set_postfix(format_postfix(metrics))
+                    saved = None
+                    if self.state.step % cfg.save_every == 0 or self.state.step == cfg.steps:
+                        saved = self.save()
+                    if signals.signum is not None:
+                        name = signal.Signals(signals.signum).name
+                        raise self._interrupted(signals.signum, saved or self.save(), f"{name} received")
+                if cfg.eval.num_prompts and not cfg.eval.every:
+                    final = {f"eval/{k}": v for k, v in self.evaluate().items()}
+                    self.logger.log(self.state.step, final)
+                    history.append(final)
+        except TrainingInterrupted as interrupt:
+            if interrupt.checkpoint is None:  # abandoned mid-step: the run goes on from the last checkpoint
+                interrupt = self._interrupted(interrupt.signum, latest_checkpoint(self.run_dir), str(interrupt))
+            self._finish_logs(failed=True)
+            raise interrupt from None
+        except BaseException as err:
+            self._finish_logs(failed=True, error=err)
+            raise
         finally:
             bar.close()
+        self._finish_logs()
+        return history
+
+    def _interrupted(self, signum: int, checkpoint: Optional[Path], why: str) -> TrainingInterrupted:
+        """The TrainingInterrupted for a stop at `checkpoint` (None: there is none), logged."""
+        self.logger.log_event(self.state.step, "interrupted", signal=signal.Signals(signum).name,
+                              checkpoint=checkpoint, reason=why)
+        step = checkpoint_step(checkpoint) if checkpoint is not None else 0
+        where = f"the checkpoint {checkpoint} holds step {step}" if checkpoint else "no checkpoint yet: it starts over"
+        return TrainingInterrupted(f"stopped at step {step}; resume with: {self.resume_command}\n({why}; {where})",
+                                   signum, checkpoint)
+
+    def _finish_logs(self, failed: bool = False, error: Optional[BaseException] = None) -> None:
+        """Plot and close the logs, after an events.jsonl line for `error`. When the run has `failed`,
+        a failure here is only reported, so that it does not hide why the run stopped (a full disk
+        would fail both)."""
+        try:
+            if error is not None:
+                self.logger.log_event(self.state.step, "stopped", error=f"{type(error).__name__}: {error}")
             self.logger.plot()
             self.logger.close()
-        return history
+        except Exception as err:
+            if not failed:
+                raise
+            log.warning("could not finish the run's logs: %s: %s", type(err).__name__, err)
 
     def save(self) -> Path:
         self.state.dual = self.dual.state_dict()

@@ -23,6 +23,7 @@ from deployrl.registry import unknown_name_error
 
 SEMANTICS = ("processed", "raw")
 FINISH_REASONS = ("stop", "length")
+LOGP_SLACK = 1e-3  # log-probabilities above this are not rounding error but a broken engine
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,62 @@ class RolloutBatch:
 
     def completions(self) -> list[list[int]]:
         return [row[: int(n)].tolist() for row, n in zip(self.completion_ids, self.lengths)]
+
+
+class MalformedRollouts(ValueError):
+    """An engine returned a batch that breaks the RolloutBatch contract."""
+
+
+def check_rollouts(batch: RolloutBatch, prompts: list[list[int]], params: SamplingParams, vocab_size: int) -> None:
+    """Refuse a batch that is not `params.n` completions of each prompt with sane tokens and log-probs.
+
+    Checks the shapes and dtypes, the group-major prompt rows, the finish reasons, that the mask
+    is a prefix of at most `max_new_tokens` real tokens per row, that real token ids lie in
+    [0, vocab_size) and that their `logp_inf` are finite and <= 0. Raises MalformedRollouts.
+    """
+
+    def refuse(what: str) -> None:
+        raise MalformedRollouts(f"malformed rollout batch: {what}")
+
+    if not isinstance(batch, RolloutBatch):
+        refuse(f"the engine returned a {type(batch).__name__}, not a RolloutBatch")
+    rows = len(prompts) * params.n
+    tensors = {"completion_ids": batch.completion_ids, "logp_inf": batch.logp_inf, "mask": batch.mask}
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[0] != rows:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            refuse(f"{name} must be a [{rows}, T] tensor ({len(prompts)} prompts x {params.n}), got {shape}")
+    ids, logp, mask = batch.completion_ids, batch.logp_inf, batch.mask
+    if not ids.shape == logp.shape == mask.shape:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors.values())
+        refuse(f"completion_ids, logp_inf and mask differ in shape: {shapes}")
+    integer_ids = not ids.dtype.is_floating_point and ids.dtype != torch.bool
+    if not integer_ids or mask.dtype != torch.bool or not logp.dtype.is_floating_point:
+        refuse(f"dtypes must be integer ids, float logp_inf, bool mask; got {ids.dtype}, {logp.dtype}, {mask.dtype}")
+    if batch.group_size != params.n:
+        refuse(f"group_size is {batch.group_size}, {params.n} completions per prompt were asked for")
+    if batch.semantics not in SEMANTICS:
+        refuse(f"log-probability semantics {batch.semantics!r} is not one of {SEMANTICS}")
+    if len(batch.prompt_ids) != rows or any(
+        list(batch.prompt_ids[row]) != list(prompts[row // params.n]) for row in range(rows)
+    ):
+        refuse(f"prompt_ids do not repeat each of the {len(prompts)} prompts {params.n} times, group-major")
+    if len(batch.finish_reasons) != rows or any(r not in FINISH_REASONS for r in batch.finish_reasons):
+        refuse(f"finish_reasons must be {rows} of {FINISH_REASONS}, got {batch.finish_reasons[:8]}")
+    lengths = mask.sum(dim=1)
+    if lengths.numel() and int(lengths.max()) > params.max_new_tokens:
+        refuse(f"a completion has {int(lengths.max())} tokens, more than max_new_tokens={params.max_new_tokens}")
+    if not torch.equal(mask, torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]):
+        refuse("the mask is not a prefix in every row (real tokens first, then padding)")
+    real = ids[mask]
+    outside = real[(real < 0) | (real >= vocab_size)]
+    if outside.numel():
+        refuse(f"token ids outside the vocabulary [0, {vocab_size}): {sorted(set(outside.tolist()))[:5]}")
+    values = logp[mask]
+    if not torch.isfinite(values).all():
+        refuse(f"{int((~torch.isfinite(values)).sum())} real tokens have a non-finite logp_inf")
+    if values.numel() and float(values.max()) > LOGP_SLACK:
+        refuse(f"logp_inf must be <= 0 (a log-probability), got {float(values.max()):.4g}")
 
 
 def pad_rollouts(
