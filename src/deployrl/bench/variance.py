@@ -44,14 +44,11 @@ from deployrl.bench.measure import table
 
 BUDGETS = (32, 64, 128, 256)
 SAMPLED = ("uniform", "temporal", "heuristic", "optimized", "sgrpo")
-# Without a config file: long completions with a reward that SmolLM2-135M earns often enough for
-# groups to disagree (two two-digit terms, worked step by step), no mismatch correction.
+# Without a config file: the embedded default's one-digit arithmetic, worked step by step (long
+# completions, and a reward SmolLM2-135M earns often enough for groups to disagree; two-digit
+# terms scored 0 of 32 in a round we tried), no mismatch correction.
 TASK_DEFAULTS = (
     "task.instruction=Solve it step by step and end with the final number.",
-    (
-        "task.rg_config={min_terms: 2, max_terms: 2, min_digits: 2, max_digits: 2, operators: ['+', '-'],"
-        " allow_parentheses: false, allow_negation: false}"
-    ),
     "rollout.max_new_tokens=256",
     "algo.correction=none",
     "algo.ps.xi_min=0.01",
@@ -229,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("items", nargs="*", metavar="[config.yaml] [key=value ...]",
                         help="a `deployrl train` config and overrides (default: the embedded model and engine on"
-                             " two-term two-digit arithmetic, worked step by step, up to 256 tokens)")
+                             " one-digit arithmetic worked step by step, up to 256 tokens)")
     parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS), help="token budgets B per completion")
     parser.add_argument("--strategies", nargs="+", default=list(SAMPLED), choices=list(SAMPLED))
     parser.add_argument("--groups", type=int, default=4, help="prompt groups with unequal rewards to gather")
