@@ -80,6 +80,9 @@ def test_bench_variance_runs_and_prints_its_tables(tmp_path, tiny_dir, capsys):
     for r in cells.values():
         assert 0 < r["rel_variance"] and -1 <= r["cosine"] <= 1
         assert abs(r["rel_variance_mc"] - r["rel_variance"]) < 5 * r["rel_variance_mc_se"] + 1e-9
+    for r in cells.values():  # the budget is met in expectation (completions here are longer than 3)
+        assert r["kept_per_completion"] <= numbers["mean_length"] + 1e-6
+    assert abs(cells[3, "uniform"]["kept_per_completion"] - 3) < 1.0
     # a larger budget keeps more tokens and lowers the variance of every law
     for strategy in ("uniform", "optimized"):
         assert cells[6, strategy]["kept_per_completion"] > cells[3, strategy]["kept_per_completion"]

@@ -180,14 +180,14 @@ def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: i
             independent = STRATEGIES.get(strategy).independent_tokens
             plans = [sample_plan(strategy, xi_groups, batch.mask, generator) for _ in range(draws)]
             sq_error, cosine = draw_errors(gram, torch.stack([p.weights[real] for p in plans]))
-            kept = torch.stack([p.keep.sum(dim=1).float() for p in plans]).mean()
+            kept = torch.stack([p.keep.sum(dim=1).float() for p in plans]).mean()  # per completion
             results.append({
                 "budget": budget, "strategy": strategy,
                 "rel_variance": exact_variance(gram, xi, row, independent) / full_sq,
                 "rel_variance_mc": float(sq_error.mean()) / full_sq,
                 "rel_variance_mc_se": float(sq_error.std() / math.sqrt(draws)) / full_sq,
                 "cosine": float(cosine.mean()),
-                "kept_per_completion": float(kept) / real.shape[0],
+                "kept_per_completion": float(kept),
             })
     return {
         "completions": int(real.shape[0]), "groups": len(rollouts.examples), "tokens": int(real.sum()),
