@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import psutil
@@ -60,6 +62,17 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
             self.peak = max(self._max, self._rss()) - self._start
+
+
+def cpu_name() -> str:
+    """The processor's model name (from /proc/cpuinfo on Linux), for benchmark headers."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def median(values: Sequence[float]) -> float:

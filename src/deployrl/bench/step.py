@@ -48,7 +48,7 @@ from typing import Any
 import psutil
 import torch
 
-from deployrl.bench.measure import PeakMemory, in_fresh_process, median, table
+from deployrl.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
 
 HF_ROW = ["rollout.engine=hf:fp32", "algo.correction=none", "algo.dynamic_sampling=off"]
 HF_ROWS = {  # name -> (label, overrides on top of the command's), run on the dequantised model
@@ -287,10 +287,7 @@ def hf_model_dir(spec: str, cache_dir: Path) -> tuple[str, bool]:
 
 def environment(threads: int, with_trl: bool) -> list[str]:
     """Header lines: hardware, threads, load, versions."""
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-             if line.startswith("model name")] if cpuinfo.is_file() else []
-    cpu = names[0] if names else platform.processor() or platform.machine()
+    cpu = cpu_name()
     packages = ["torch", "transformers", "llama-cpp-python", "deployrl"] + (["trl", "accelerate"] if with_trl else [])
     versions = []
     for package in packages:

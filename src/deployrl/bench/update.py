@@ -36,7 +36,6 @@ import argparse
 import ctypes
 import gc
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ from typing import Any
 
 import torch
 
-from deployrl.bench.measure import PeakMemory, in_fresh_process, median, table
+from deployrl.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
 
 T_MAX = (512, 1024, 2048, 4096)
 GRPO = {"algo.ps.strategy": "full", "algo.aggregation": "seq_mean_token_mean", "algo.eps_high": 0.2}
@@ -266,16 +265,6 @@ def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any
         "micro_batches": len(micro_batches(active, row_tokens, s.micro_batch_tokens)),
         "threads": torch.get_num_threads(), "xi_min": s.xi_min(t_max),
     }
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def summary_rows(results: list[dict[str, Any]], methods: list[str], t_maxes: list[int]) -> list[list[Any]]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import tempfile
 from dataclasses import replace
@@ -40,7 +39,7 @@ import torch
 from deployrl.algo.logprobs import SamplingView, processed_logits
 from deployrl.algo.losses import policy_loss
 from deployrl.algo.prefix import STRATEGIES, sample_plan
-from deployrl.bench.measure import table
+from deployrl.bench.measure import cpu_name, table
 
 BUDGETS = (32, 64, 128, 256)
 SAMPLED = ("uniform", "temporal", "heuristic", "optimized", "sgrpo")
@@ -250,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{config.model.name} sampled by {config.rollout.engine}, task {config.task.name}:"
         f" {numbers['groups']} groups x {config.rollout.group_size} completions, {numbers['tokens']} tokens"
         f" (mean length {numbers['mean_length']:.0f}, max {numbers['max_length']}), mean reward"
-        f" {numbers['reward_mean']:.2f}; {args.draws} draws per cell; {platform.processor() or platform.machine()},"
+        f" {numbers['reward_mean']:.2f}; {args.draws} draws per cell; {cpu_name()},"
         f" torch {torch.__version__}\n"
     )
     print(report(numbers, args.budgets, args.strategies))
