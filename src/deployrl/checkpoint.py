@@ -3,7 +3,7 @@
 A checkpoint is a directory ``run_dir/checkpoints/step_{step:08d}/``::
 
     model/                   save_pretrained (safetensors) + tokenizer: from_pretrained loads it
-    optimizer.safetensors    tensors of optimizer.state_dict(), keys "state.{param_index}.{name}"
+    optimizer.safetensors    tensors of the optimizer state, keyed "state.{parameter name}.{name}"
     optimizer.json           the rest of it (param_groups, python-number state), tensors by key
     scheduler.json           scheduler.state_dict() without its functions
     rng.safetensors          torch CPU (and CUDA) RNG states, the caller's torch.Generator states
@@ -23,6 +23,11 @@ refused with an error naming it. A save that fails (disk full, directory not wri
 its temporary directory and raises a CheckpointError; the checkpoints before it are untouched,
 since old ones are pruned only after a new one is in place. One process writes a run directory
 at a time.
+
+Weights and optimizer state are stored whole and keyed by parameter name, through
+`torch.distributed.checkpoint.state_dict`: with an FSDP-sharded model every rank takes part in
+gathering them, rank 0 alone writes, and loading hands each rank its shard. A checkpoint
+therefore resumes on any number of ranks, and `model/` is the consolidated safetensors export.
 """
 
 from __future__ import annotations
@@ -42,6 +47,16 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -349,13 +364,17 @@ def _key_mismatch(model, weights: Mapping[str, torch.Tensor]) -> tuple[list[str]
     """Model keys missing from `weights` (tied aliases of loaded keys excepted), and extra keys."""
     own = model.state_dict()
     # Tied weights (lm_head = embed_tokens) are saved once: a missing key may alias a loaded one.
-    loaded_ptrs = {own[k].data_ptr() for k in own if k in weights}
-    missing = [k for k in own if k not in weights and own[k].data_ptr() not in loaded_ptrs]
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    aliases = {name: names for names in names_of.values() for name in names}
+    missing = [k for k in own if k not in weights and not any(a in weights for a in aliases.get(k, ()))]
     return missing, sorted(k for k in weights if k not in own)
 
 
 def _fill_weights(model, weights: Mapping[str, torch.Tensor], source: Path) -> None:
-    """Copy `weights` into `model` in place (parameters stay the same objects)."""
+    """Copy the full `weights` into `model` in place (parameters stay the same objects; an
+    FSDP-sharded model takes each rank's shard)."""
     missing, unexpected = _key_mismatch(model, weights)
     if missing or unexpected:
         raise CheckpointError(
@@ -368,9 +387,7 @@ def _fill_weights(model, weights: Mapping[str, torch.Tensor], source: Path) -> N
                 f"the weights in {source} do not fit the model: {key} has shape {tuple(value.shape)},"
                 f" the model's is {tuple(own[key].shape)}"
             )
-    with torch.no_grad():
-        for key, value in weights.items():
-            own[key].copy_(value)
+    set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def _load_weights(model, model_dir: Path) -> None:
@@ -394,11 +411,12 @@ def _load_weights(model, model_dir: Path) -> None:
     _fill_weights(target, weights, model_dir)
 
 
-def _save_model(model, tokenizer, directory: Path) -> None:
+def _save_model(model, tokenizer, directory: Path, weights: Optional[Mapping[str, torch.Tensor]] = None) -> None:
+    """save_pretrained of `model` with `weights` (default: its own state_dict) into `directory`."""
     target = _unwrap(model)
     if not hasattr(target, "save_pretrained"):
         raise TypeError(f"{type(target).__name__} has no save_pretrained: checkpoints hold transformers models")
-    target.save_pretrained(directory)  # transformers 5 always writes safetensors
+    target.save_pretrained(directory, state_dict=weights)  # transformers 5 always writes safetensors
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     pickled = [p.name for p in directory.rglob("*") if p.suffix in PICKLE_SUFFIXES]
@@ -487,7 +505,8 @@ def save_checkpoint(
     of torch (CPU, and CUDA when initialised), python `random`, numpy's global generator and
     every generator in `generators` are saved. Afterwards only the new checkpoint and the
     newest `keep_last - 1` others are kept (None keeps all), and leftovers of interrupted
-    saves are removed.
+    saves are removed. With a sharded model every rank calls this (the weights are gathered)
+    and rank 0 writes.
     """
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -497,17 +516,22 @@ def save_checkpoint(
         raise TypeError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{int(step):08d}"
+    target = _unwrap(model)
+    weights = get_model_state_dict(target, options=GATHERED)
+    optimizer_state = get_optimizer_state_dict(target, optimizer, options=GATHERED) if optimizer is not None else None
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return final
     tmp = None
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
         _save_state(tmp, "rng", _rng_state(generators))
         _save_state(tmp, "trainer_state", dict(trainer_state))  # first: a bad value fails fast
-        if optimizer is not None:
-            _save_state(tmp, "optimizer", optimizer.state_dict())
+        if optimizer_state is not None:
+            _save_state(tmp, "optimizer", optimizer_state)
         if scheduler is not None:
             _save_state(tmp, "scheduler", scheduler.state_dict(), drop_callables=True)
-        _save_model(model, tokenizer, tmp / MODEL_DIR)
+        _save_model(target, tokenizer, tmp / MODEL_DIR, weights)
         _sync_tree(tmp)
         _write_manifest(tmp, int(step))
         _fsync_dir(tmp)
@@ -582,8 +606,10 @@ def load_checkpoint(
     _load_weights(model, path / MODEL_DIR)
     if optimizer_state is not None:
         try:
-            optimizer.load_state_dict(optimizer_state)
-        except (ValueError, KeyError, RuntimeError) as err:
+            set_optimizer_state_dict(
+                _unwrap(model), optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True)
+            )
+        except (ValueError, KeyError, RuntimeError, AssertionError) as err:
             raise CheckpointError(f"{path / 'optimizer.json'} does not fit the optimizer: {err}") from None
     if scheduler_state is not None:
         scheduler.load_state_dict(scheduler_state)

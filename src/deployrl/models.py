@@ -105,6 +105,19 @@ def clear_quantization_marker(model) -> None:
         del model.config.quantization_config
 
 
+def decoder_blocks(model) -> list[torch.nn.Module]:
+    """The model's repeated decoder layers (the classes transformers lists in `_no_split_modules`),
+    the units FSDP shards one by one."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} does not name its decoder layers (transformers' _no_split_modules):"
+            " FSDP cannot shard it layer by layer; train it in a single process"
+        )
+    return blocks
+
+
 def output_head(model) -> torch.Tensor:
     """The output head's weight [V, D]; heads with a bias are not supported."""
     head = model.get_output_embeddings()
@@ -137,6 +150,23 @@ def completion_hidden(
     return hidden.gather(1, index.to(device)[..., None].expand(-1, -1, hidden.shape[-1]))
 
 
+class Scorer(torch.nn.Module):
+    """The causal LM as one module whose forward computes what the trainer needs from completions.
+
+    ``scorer(prompt_ids, completion_ids, mask, reduce)`` is ``reduce(hidden, head)``: the final
+    hidden states [B, T, D] of `completion_hidden` and the output head's weight [V, D]. Every use
+    of the weights (decoder and head) happens inside this one call, which is what FSDP needs to
+    all-gather and free them (distributed.py); without FSDP it is a plain function call.
+    """
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, prompt_ids: list[list[int]], completion_ids: torch.Tensor, mask: torch.Tensor, reduce):
+        return reduce(completion_hidden(self.model, prompt_ids, completion_ids, mask), output_head(self.model))
+
+
 def token_logprobs(
     model,
     prompt_ids: list[list[int]],
@@ -146,13 +176,18 @@ def token_logprobs(
     chunk_tokens: int = 1024,
     with_stats: bool = False,
 ) -> TokenStats:
-    """log p(completion tokens) [B, T] under `model`, processed by `view`, in bounded memory.
+    """log p(completion tokens) [B, T] under `model` (a causal LM or its Scorer), processed by
+    `view`, in bounded memory; on the model's device.
 
     With gradients enabled the result is differentiable; `with_stats` adds entropy, sum p^2
     and ||h|| per token for the PS-PPO proxies.
     """
-    hidden = completion_hidden(model, prompt_ids, completion_ids, mask)
-    device = hidden.device
-    return chunked_token_stats(
-        hidden, output_head(model), completion_ids.to(device), mask.to(device), view, chunk_tokens, with_stats
-    )
+    scorer = model if isinstance(model, Scorer) else Scorer(model)
+
+    def stats(hidden: torch.Tensor, head: torch.Tensor) -> TokenStats:
+        device = hidden.device
+        return chunked_token_stats(
+            hidden, head, completion_ids.to(device), mask.to(device), view, chunk_tokens, with_stats
+        )
+
+    return scorer(prompt_ids, completion_ids, mask, stats)

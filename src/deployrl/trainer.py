@@ -22,6 +22,10 @@ finite is skipped and logged, and `optim.max_skipped_steps` such steps in a row 
 generation that raises, hangs past `rollout.timeout_s` or returns a malformed batch is retried
 on a fresh engine (`rollout.max_retries`); a reward that fails on every completion stops the
 run; SIGINT/SIGTERM finish the step, save a checkpoint and raise TrainingInterrupted.
+
+Under torchrun the model is sharded with FSDP2 and each rank samples and computes its share of
+the step; the batch's per-token tensors are gathered so that the rest is the code below on the
+same data on every rank (distributed.py). Rank 0 alone logs, evaluates and writes checkpoints.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from typing import Optional
 
 import numpy as np
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from deployrl.algo.advantages import broadcast_to_tokens, compute_advantages, zero_variance_groups
 from deployrl.algo.discrepancy import (
@@ -56,8 +62,19 @@ from deployrl.checkpoint import checkpoint_step, export_model, latest_checkpoint
 from deployrl.config import PSConfig, TrainConfig
 from deployrl.configio import to_dict
 from deployrl.engines import make_engine
-from deployrl.engines.base import RolloutBatch, SamplingParams, check_rollouts, trainer_view
-from deployrl.models import completion_hidden, load_model, load_tokenizer, output_head, resolve_model, token_logprobs
+from deployrl.engines.base import RolloutBatch, SamplingParams, check_rollouts, pad_rollouts, trainer_view
+from deployrl.distributed import (
+    World,
+    all_reduce_sum,
+    any_rank,
+    balanced_shares,
+    contiguous_shares,
+    full_state_dict,
+    gather_in_order,
+    init_world,
+    shard,
+)
+from deployrl.models import DTYPES, Scorer, decoder_blocks, load_model, load_tokenizer, output_head, resolve_model, token_logprobs
 from deployrl.prompts import encode_prompts
 from deployrl.rewards import overlong_penalty, score_completions
 from deployrl.runlog import EVENTS, RunLogger, check_writable, format_postfix, progress
@@ -155,7 +172,6 @@ class OldPass:
     entropy: Optional[torch.Tensor] = None  # [B, T]
     grad_norm: Optional[torch.Tensor] = None  # [B, T] gamma
     uncertainty: Optional[torch.Tensor] = None  # [G, T] reward uncertainty u
-    hidden: Optional[torch.Tensor] = None  # [B, T, D]
 
 
 @dataclass
@@ -167,6 +183,28 @@ class TrainState:
     tolerance: Optional[float] = None
     dual: dict[str, float] = field(default_factory=dict)
     skipped_in_a_row: int = 0  # consecutive steps with a skipped (non-finite) update
+
+
+class OtherRankLogger:
+    """The logger of ranks other than 0, which write nothing: rank 0 writes the run directory."""
+
+    def log(self, step: int, metrics) -> None:
+        pass
+
+    def log_samples(self, step: int, samples) -> None:
+        pass
+
+    def log_event(self, step: int, event: str, **details) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def plot(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def cat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
@@ -247,8 +285,9 @@ def lr_lambda(cfg, total_steps: int):
 class Trainer:
     """Holds the components of a run; `run()` trains, `step()` does one step."""
 
-    def __init__(self, config: TrainConfig, resume: bool = False) -> None:
+    def __init__(self, config: TrainConfig, resume: bool = False, world: Optional[World] = None) -> None:
         self.config = config
+        self.world = world or init_world()
         self.task: Task = load_task(config.task)  # data is validated before any model loads
         if len(self.task.examples) < config.rollout.prompts_per_step:
             raise ValueError(
@@ -256,15 +295,22 @@ class Trainer:
                 f" rollout.prompts_per_step={config.rollout.prompts_per_step}"
             )
         self.run_dir = Path(config.output_dir)
-        check_writable(self.run_dir)  # before the model loads: an unwritable directory fails in seconds
+        if self.world.is_main:
+            check_writable(self.run_dir)  # before the model loads: an unwritable directory fails in seconds
         self.source = resolve_model(config.model.name)
         self.tokenizer = load_tokenizer(self.source, config.model.trust_remote_code)
         self.model = load_model(
             self.source, config.model.dtype, config.model.activation_checkpointing, config.model.trust_remote_code
-        )
+        ).to(self.world.device)
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if config.algo.kl_coef > 0 else None
         self.vocab_size = output_head(self.model).shape[0]
-        self.engine = self.build_engine()
+        self.engine = self.build_engine()  # from the whole model, before it is sharded
+        # every use of the weights goes through these calls (what FSDP needs)
+        self.scorer = Scorer(self.model)
+        self.ref_scorer = Scorer(self.ref_model) if self.ref_model is not None else None
+        if self.world.distributed:
+            for scorer in filter(None, (self.scorer, self.ref_scorer)):
+                shard(scorer, decoder_blocks(scorer.model), self.world, DTYPES[config.model.dtype])
         # the command that continues this run, for stop messages (the CLI sets the real one)
         self.resume_command = "deployrl train <your config and overrides> --resume"
         optim = config.optim
@@ -289,7 +335,7 @@ class Trainer:
             self.dual.load_state_dict(self.state.dual)
             if self.state.tolerance is not None:
                 self.dual.tolerance = self.state.tolerance
-            self.engine.sync(self.model.state_dict())
+            self.engine.sync(full_state_dict(self.model, self.world))
             self.resumed_from = checkpoint
         else:
             if resume:
@@ -299,7 +345,7 @@ class Trainer:
             torch.manual_seed(config.seed)
         self.logger = RunLogger(
             self.run_dir, to_dict(config), tensorboard=config.tensorboard, wandb=config.wandb, resume=resume,
-        )
+        ) if self.world.is_main else OtherRankLogger()
         if resume:  # drop what the lost steps logged (all of it when there was no checkpoint)
             self.logger.truncate_after(self.state.step if self.resumed_from is not None else -1)
             self.logger.log_event(self.state.step, "resumed", checkpoint=self.resumed_from)
@@ -311,10 +357,18 @@ class Trainer:
         ids |= set(eos if isinstance(eos, list) else [eos])
         return sorted(i for i in ids if i is not None)
 
-    def build_engine(self):
-        """A new rollout engine holding the model's current weights."""
-        rollout = self.config.rollout
-        return make_engine(rollout.engine, self.model, self.source, self.eos_token_ids(), rollout.context_length)
+    def build_engine(self, weights: Optional[dict[str, torch.Tensor]] = None):
+        """A new rollout engine holding the model's current weights.
+
+        A sharded model cannot be copied: the engine is then built from a fresh load of the
+        model's source and given `weights`, the gathered current weights.
+        """
+        rollout, cfg = self.config.rollout, self.config.model
+        model = self.model if weights is None else load_model(self.source, cfg.dtype, False, cfg.trust_remote_code)
+        engine = make_engine(rollout.engine, model, self.source, self.eos_token_ids(), rollout.context_length)
+        if weights is not None:
+            engine.sync(weights)
+        return engine
 
     def _data_order(self) -> list[int]:
         order = list(range(len(self.task.examples)))
@@ -334,31 +388,40 @@ class Trainer:
         """`engine.generate`, checked by `check_rollouts`; a call that raises, runs past
         `rollout.timeout_s` or returns a malformed batch is retried on a fresh engine, at most
         `rollout.max_retries` times, then EngineError. Sampling seeds are the same on a retry,
-        so a recovered step samples what the first attempt would have."""
+        so a recovered step samples what the first attempt would have. The ranks of a distributed
+        run retry together (a fresh engine needs the gathered weights: a collective).
+        """
         rollout = self.config.rollout
         if self.engine is not None:
             self.engine.check_prompts(prompt_ids, params)  # a prompt too long is the data's fault: no retry
+        weights, failure = None, None
         for attempt in range(rollout.max_retries + 1):
+            failure = None
             try:
                 if self.engine is None:
-                    self.engine = self.build_engine()
-                batch = self._generate_within_timeout(prompt_ids, params)
-                check_rollouts(batch, prompt_ids, params, self.vocab_size)
-                return batch
+                    self.engine = self.build_engine(weights)
+                if prompt_ids:
+                    batch = self._generate_within_timeout(prompt_ids, params)
+                    check_rollouts(batch, prompt_ids, params, self.vocab_size)
+                else:  # this rank's share of the step is empty
+                    batch = pad_rollouts([], [], [], [], self.engine.semantics, params.n, {})
             except Exception as err:
-                error = f"{type(err).__name__}: {err}"
+                failure = err
                 self.engine = None  # never reused: it may be hung, or broken in a way a retry would repeat
                 self.logger.log_event(self.state.step + 1, "engine_failure", engine=rollout.engine,
-                                      attempt=attempt + 1, error=error)
-                log.warning("rollout engine %s failed (attempt %d of %d): %s", rollout.engine, attempt + 1,
-                            rollout.max_retries + 1, error)
-                if attempt == rollout.max_retries:
-                    raise EngineError(
-                        f"the rollout engine {rollout.engine} failed {attempt + 1} times in a row at step"
-                        f" {self.state.step + 1}; last error: {error}. Check the engine (for llamacpp: the"
-                        " llama-cpp-python install), or raise rollout.max_retries / rollout.timeout_s"
-                    ) from err
-        raise AssertionError("unreachable")  # pragma: no cover
+                                      attempt=attempt + 1, error=f"{type(err).__name__}: {err}")
+                log.warning("rollout engine %s failed (attempt %d of %d): %s: %s", rollout.engine, attempt + 1,
+                            rollout.max_retries + 1, type(err).__name__, err)
+            if not any_rank(failure is not None, self.world):
+                return batch
+            if attempt < rollout.max_retries and self.world.distributed:
+                weights = full_state_dict(self.model, self.world)
+        error = f"{type(failure).__name__}: {failure}" if failure is not None else "the engine of another rank failed"
+        raise EngineError(
+            f"the rollout engine {rollout.engine} failed {rollout.max_retries + 1} times in a row at step"
+            f" {self.state.step + 1}; last error: {error}. Check the engine (for llamacpp: the"
+            " llama-cpp-python install), or raise rollout.max_retries / rollout.timeout_s"
+        ) from failure
 
     def _generate_within_timeout(self, prompt_ids: list[list[int]], params: SamplingParams) -> RolloutBatch:
         timeout = self.config.rollout.timeout_s
@@ -386,35 +449,61 @@ class Trainer:
     def sample(self, examples: list[Example], params: SamplingParams) -> Rollouts:
         """Generate K completions per example with the engine and score them.
 
-        Reward failures (raised, timed out, NaN or not a number: those completions score 0) are
-        logged to events.jsonl; a reward that fails on every completion raises RewardFailure.
+        Each rank generates and scores a consecutive share of the examples; the batch and the
+        rewards are gathered. Reward failures (raised, timed out, NaN or not a number: those
+        completions score 0) are logged to events.jsonl; a reward that fails on every completion
+        raises RewardFailure.
         """
+        world, k = self.world, params.n
         prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples])
-        batch = self.generate(prompt_ids, params)
+        shares = contiguous_shares(len(examples), world.size)
+        mine = shares[world.rank]
+        local = self.generate([prompt_ids[i] for i in mine], replace(params, first_prompt=params.first_prompt + mine.start))
+        row_shares = [[row for g in share for row in range(g * k, (g + 1) * k)] for share in shares]
+        batch = self.gather_batch(local, row_shares, [p for p in prompt_ids for _ in range(k)])
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in batch.completions()]
-        k = params.n
-        references = [examples[row // k].reference for row in range(len(texts))]
-        scores = score_completions(self.task.reward, texts, references)
-        failed = scores.failures + scores.timeouts
-        if failed:
+        rows = row_shares[world.rank]
+        scores = score_completions(self.task.reward, [texts[r] for r in rows], [examples[r // k].reference for r in rows])
+        failures, timeouts = (int(n) for n in all_reduce_sum([scores.failures, scores.timeouts], world))
+        if scores.failures + scores.timeouts:
             self.logger.log_event(self.state.step + 1, "reward_failures", reward=self.task.reward_name,
-                                  completions=len(texts), failures=scores.failures, timeouts=scores.timeouts,
+                                  completions=len(rows), failures=scores.failures, timeouts=scores.timeouts,
                                   errors=scores.errors)
-        if failed == len(texts):
+        if failures + timeouts == len(texts):
+            first = scores.errors[0] if scores.errors else "(this rank scored no completion)"
             raise RewardFailure(
                 f"the reward {self.task.reward_name!r} failed on all {len(texts)} completions of step"
-                f" {self.state.step + 1}: {scores.errors[0]}"
+                f" {self.state.step + 1}: {first}"
                 + (f" (and {len(scores.errors) - 1} other errors, in {EVENTS})" if len(scores.errors) > 1 else "")
                 + "; fix the reward, then resume"
             )
-        values = scores.values
+        values = gather_in_order(torch.tensor(scores.values, dtype=torch.float64), row_shares, world).tolist()
         if self.config.algo.overlong_buffer:  # DAPO: soft punishment of completions near the limit
             values = [
                 v + overlong_penalty(int(n), params.max_new_tokens, self.config.algo.overlong_buffer)
                 for v, n in zip(values, batch.lengths)
             ]
         rewards = torch.tensor(values, dtype=torch.float32).reshape(len(examples), k)
-        return Rollouts(batch, examples, rewards, texts, rewards, scores.failures, scores.timeouts)
+        return Rollouts(batch, examples, rewards, texts, rewards, failures, timeouts)
+
+    def gather_batch(self, local: RolloutBatch, row_shares: list[list[int]], prompt_ids: list[list[int]]) -> RolloutBatch:
+        """The step's whole RolloutBatch from each rank's `local` one (rank r sampled rows `row_shares[r]`)."""
+        world = self.world
+        if not world.distributed:
+            return local
+        stops = torch.tensor([f == "stop" for f in local.finish_reasons], dtype=torch.bool)
+        tokens, seconds = all_reduce_sum([local.timing.get("tokens", 0.0), local.timing.get("generate_s", 0.0)], world)
+        seconds /= world.size  # the ranks generate at the same time
+        return RolloutBatch(
+            prompt_ids=prompt_ids,
+            completion_ids=gather_in_order(local.completion_ids, row_shares, world),
+            logp_inf=gather_in_order(local.logp_inf, row_shares, world),
+            mask=gather_in_order(local.mask, row_shares, world),
+            finish_reasons=["stop" if s else "length" for s in gather_in_order(stops, row_shares, world).tolist()],
+            semantics=local.semantics,
+            group_size=local.group_size,
+            timing={"generate_s": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9)},
+        )
 
     def collect(self) -> Rollouts:
         """Sample one step's groups; drop (or refill) groups whose rewards are all equal."""
@@ -449,57 +538,87 @@ class Trainer:
 
         Rows go through the model in micro-batches of `algo.micro_batch_tokens`, like the graded
         pass, so this pass's peak memory does not grow with the batch. Keeps the proxies the
-        cutoff `strategies` need (default: the configured strategy's); for `optimized` the output
-        head runs per group, so that u and the token statistics share its probabilities.
+        cutoff `strategies` need (default: the configured strategy's). For `optimized` the
+        micro-batches hold whole groups and the output head runs per group, so that u and the
+        token statistics share its probabilities. Each rank computes a share of the rows (of
+        the groups for `optimized`) balanced by tokens; the results are gathered.
         """
-        batch, cfg = rollouts.batch, self.config
+        batch, cfg, k = rollouts.batch, self.config, rollouts.batch.group_size
         view = trainer_view(batch.semantics, params)
         strategies = strategies or (cfg.algo.ps.strategy,)
-        optimized = "optimized" in strategies
-        head = output_head(self.model)
+        optimized, with_entropy = "optimized" in strategies, "heuristic" in strategies
         lengths = [len(p) + int(n) for p, n in zip(batch.prompt_ids, batch.mask.sum(dim=1).tolist())]
-        parts: dict[str, list[torch.Tensor]] = {"hidden": [], "logp": [], "entropy": [], "logp_ref": []}
-        order: list[int] = []
-        for micro in micro_batches(list(range(len(lengths))), lengths, cfg.algo.micro_batch_tokens):
-            rows = torch.tensor(micro)
-            prompts, completions, mask = [batch.prompt_ids[r] for r in micro], batch.completion_ids[rows], batch.mask[rows]
-            hidden = completion_hidden(self.model, prompts, completions, mask)
-            if optimized:
-                parts["hidden"].append(hidden)
-            else:
-                stats = chunked_token_stats(
-                    hidden, head, completions, mask, view, cfg.model.chunk_tokens, "heuristic" in strategies
-                )
-                parts["logp"].append(stats.logp)
-                parts["entropy"].append(stats.entropy)
-            if self.ref_model is not None:
-                parts["logp_ref"].append(
-                    token_logprobs(self.ref_model, prompts, completions, mask, view, cfg.model.chunk_tokens).logp
-                )
-            order += micro
-        inverse = torch.argsort(torch.tensor(order))
-
-        def joined(name: str) -> Optional[torch.Tensor]:
-            return torch.cat(parts[name])[inverse] if parts[name] and parts[name][0] is not None else None
-
-        if not optimized:
-            return OldPass(logp=joined("logp"), logp_ref=joined("logp_ref"), entropy=joined("entropy"))
-        hidden, k = joined("hidden"), batch.group_size
+        unit_rows = [list(range(g * k, (g + 1) * k)) for g in range(len(rollouts.examples))] if optimized else [
+            [row] for row in range(len(lengths))
+        ]
+        costs = [sum(lengths[r] for r in rows) for rows in unit_rows]
+        plans = [micro_batches(share, costs, cfg.algo.micro_batch_tokens)
+                 for share in balanced_shares(costs, self.world.size)]
         success = rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)  # [G, K]
         chunk = max(1, cfg.model.chunk_tokens // k)
-        groups = [
-            group_stats(hidden[g * k:(g + 1) * k], head, batch.completion_ids[g * k:(g + 1) * k],
-                        batch.mask[g * k:(g + 1) * k], success[g], cfg.algo.ps.uncertainty, view, chunk,
-                        with_entropy="heuristic" in strategies)
-            for g in range(len(rollouts.examples))
-        ]
-        logp = torch.cat([s.logp for s in groups])
+
+        def group_reduce(units: list[int], completions: torch.Tensor, mask: torch.Tensor):
+            def reduce(hidden: torch.Tensor, head: torch.Tensor) -> list:
+                on = hidden.device
+                return [
+                    group_stats(hidden[i * k:(i + 1) * k], head, completions[i * k:(i + 1) * k].to(on),
+                                mask[i * k:(i + 1) * k].to(on), success[g].to(on), cfg.algo.ps.uncertainty, view, chunk,
+                                with_entropy=with_entropy)
+                    for i, g in enumerate(units)
+                ]
+            return reduce
+
+        parts: dict[str, list[torch.Tensor]] = {n: [] for n in ("logp", "entropy", "sum_p2", "hidden_norm", "logp_ref")}
+        uncertainty = []
+        mine = plans[self.world.rank]
+        for call in range(max(len(plan) for plan in plans)):
+            if call >= len(mine):  # this rank has fewer micro-batches than another
+                for scorer in filter(None, (self.scorer, self.ref_scorer)):
+                    self._filler_call(scorer)
+                continue
+            rows = [r for unit in mine[call] for r in unit_rows[unit]]
+            index = torch.tensor(rows)
+            prompts, completions, mask = [batch.prompt_ids[r] for r in rows], batch.completion_ids[index], batch.mask[index]
+            if optimized:
+                groups = self.scorer(prompts, completions, mask, group_reduce(mine[call], completions, mask))
+                for name in ("logp", "entropy", "sum_p2", "hidden_norm"):
+                    parts[name] += [getattr(stats, name) for stats in groups]
+                uncertainty += [stats.uncertainty[None] for stats in groups]
+            else:
+                stats = token_logprobs(self.scorer, prompts, completions, mask, view, cfg.model.chunk_tokens, with_entropy)
+                parts["logp"].append(stats.logp)
+                parts["entropy"].append(stats.entropy)
+            if self.ref_scorer is not None:
+                parts["logp_ref"].append(
+                    token_logprobs(self.ref_scorer, prompts, completions, mask, view, cfg.model.chunk_tokens).logp
+                )
+        row_orders = [[r for micro in plan for unit in micro for r in unit_rows[unit]] for plan in plans]
+        width = batch.mask.shape[1]
+
+        def gathered(pieces: list, orders: list[list[int]] = row_orders) -> Optional[torch.Tensor]:
+            """The global [rows, T] tensor of this rank's `pieces` (None when the pass did not compute it)."""
+            if not pieces or pieces[0] is None:
+                return None
+            local = torch.cat([nn.functional.pad(t.cpu(), (0, width - t.shape[1])) for t in pieces])
+            return gather_in_order(local, orders, self.world)[:, :width]
+
+        if not optimized:
+            return OldPass(logp=gathered(parts["logp"]), logp_ref=gathered(parts["logp_ref"]),
+                           entropy=gathered(parts["entropy"]))
+        logp = gathered(parts["logp"])
         return OldPass(
-            logp=logp, logp_ref=joined("logp_ref"),
-            entropy=torch.cat([s.entropy for s in groups]) if "heuristic" in strategies else None,
-            grad_norm=grad_norm_proxy(logp, torch.cat([s.sum_p2 for s in groups]), torch.cat([s.hidden_norm for s in groups])),
-            uncertainty=torch.stack([s.uncertainty for s in groups]), hidden=hidden,
+            logp=logp, logp_ref=gathered(parts["logp_ref"]), entropy=gathered(parts["entropy"]) if with_entropy else None,
+            grad_norm=grad_norm_proxy(logp, gathered(parts["sum_p2"]), gathered(parts["hidden_norm"])),
+            uncertainty=gathered(uncertainty, [[unit for micro in plan for unit in micro] for plan in plans]),
         )
+
+    def _filler_call(self, scorer: Scorer, backward: bool = False) -> None:
+        """A one-token call of `scorer` whose result is zero, for a rank with fewer micro-batches than
+        another: FSDP's collectives must pair up across ranks. With `backward` it is backpropagated."""
+        token = torch.zeros(1, 1, dtype=torch.long)
+        out = scorer([[0]], token, torch.ones(1, 1, dtype=torch.bool), lambda hidden, head: (hidden.sum() + head.sum()) * 0)
+        if backward:
+            out.backward()
 
     def shaped_advantages(self, rollouts: Rollouts, old: OldPass) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Group advantages per token, DC-shaped when `dc` is on; per-token correction weights."""
@@ -547,7 +666,9 @@ class Trainer:
         An optimizer update whose loss or gradient norm is not finite is skipped (weights and
         optimizer state untouched) and logged to events.jsonl with its examples' ids; the
         scheduler steps only when at least one update was applied, so a step without any leaves
-        the whole optimizer state as it was.
+        the whole optimizer state as it was. Each rank backpropagates a share of every mini-batch's
+        rows, balanced by kept tokens; losses are normalised by the whole mini-batch, and FSDP
+        sums the ranks' gradients.
         """
         cfg, batch = self.config, rollouts.batch
         algo = cfg.algo
@@ -570,14 +691,22 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 step_loss, nonfinite_rows = 0.0, []
                 active = [r for r in mini if cutoffs[r] > 0]
-                for micro in micro_batches(active, row_tokens, algo.micro_batch_tokens):
+                shares = [[active[i] for i in share]
+                          for share in balanced_shares([row_tokens[r] for r in active], self.world.size)]
+                plans = [micro_batches(share, row_tokens, algo.micro_batch_tokens) for share in shares]
+                mine = plans[self.world.rank]
+                for call in range(max(len(plan) for plan in plans)):
+                    if call >= len(mine):  # this rank has fewer micro-batches than another
+                        self._filler_call(self.scorer, backward=True)
+                        continue
+                    micro = mine[call]
                     rows = torch.tensor(micro)
                     width = max(cutoffs[r] for r in micro)
                     kept = torch.arange(width)[None, :] < plan.cutoffs[rows][:, None]  # [b, width]
                     graded = token_logprobs(
-                        self.model, [batch.prompt_ids[r] for r in micro], batch.completion_ids[rows, :width],
+                        self.scorer, [batch.prompt_ids[r] for r in micro], batch.completion_ids[rows, :width],
                         kept, view, cfg.model.chunk_tokens,
-                    ).logp
+                    ).logp.cpu()
                     graded_tokens += int(kept.sum())
                     logp = old.logp[rows].clone()
                     logp[:, :width] = torch.where(kept, graded, logp[:, :width])
@@ -594,18 +723,20 @@ class Trainer:
                         nonfinite_rows += micro
                     step_loss += micro_loss
                     clip_fracs.append(float(out.metrics["clip_fraction"]))
+                step_loss = all_reduce_sum([step_loss], self.world)[0]  # NaN anywhere: NaN everywhere
                 losses.append(step_loss)
                 # clip_grad_norm_ in two halves, so that the norm is checked before anything changes
                 grads = [p.grad for p in self.model.parameters() if p.grad is not None]
                 total_norm = torch.nn.utils.get_total_norm(grads)
-                if not (math.isfinite(step_loss) and math.isfinite(float(total_norm))):
+                norm = float(total_norm.full_tensor() if isinstance(total_norm, DTensor) else total_norm)
+                if not (math.isfinite(step_loss) and math.isfinite(norm)):
                     self.optimizer.zero_grad(set_to_none=True)
                     skipped += 1
-                    self._log_skipped_update(rollouts, nonfinite_rows or mini, step_loss, float(total_norm))
+                    self._log_skipped_update(rollouts, nonfinite_rows or mini, step_loss, norm)
                     continue
                 if cfg.optim.grad_clip > 0:
                     torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), cfg.optim.grad_clip, total_norm)
-                grad_norms.append(float(total_norm))
+                grad_norms.append(norm)
                 self.optimizer.step()
                 applied += 1
         if applied:
@@ -615,7 +746,7 @@ class Trainer:
             "loss": float(np.mean(losses)) if losses else 0.0,
             "clip_fraction": float(np.mean(clip_fracs)) if clip_fracs else 0.0,
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-            "ps/tokens_graded": graded_tokens / algo.ppo_epochs,
+            "ps/tokens_graded": all_reduce_sum([graded_tokens], self.world)[0] / algo.ppo_epochs,
             "ps/tokens_kept": float(plan.keep.sum()),
             "ps/tokens_total": float(batch.mask.sum()),
             "ps/expected_kept": float(plan.expected_tokens),
@@ -636,9 +767,18 @@ class Trainer:
 
     def step(self) -> dict[str, float]:
         """One training step; returns its metrics."""
+        start = time.perf_counter()
+        rollouts = self.collect()
+        metrics = self.learn(rollouts, {"time/rollout": time.perf_counter() - start})
+        metrics["time/step"] = time.perf_counter() - start
+        return metrics
+
+    def learn(self, rollouts: Rollouts, times: Optional[dict[str, float]] = None) -> dict[str, float]:
+        """Everything of a step after sampling: no-grad pass, advantages, plan, update, dual step
+        and weight sync (the step counter advances). Returns the step's metrics."""
         cfg = self.config
-        times: dict[str, float] = {}
-        start = tick = time.perf_counter()
+        times = dict(times or {})
+        tick = time.perf_counter()
 
         def lap(name: str) -> None:
             nonlocal tick
@@ -646,8 +786,6 @@ class Trainer:
             times[f"time/{name}"] = now - tick
             tick = now
 
-        rollouts = self.collect()
-        lap("rollout")
         metrics: dict[str, float] = {
             "reward/mean": float(rollouts.sampled_rewards.mean()),
             "reward/groups_dropped": float(len(rollouts.sampled_rewards) - len(rollouts.rewards)),
@@ -671,7 +809,7 @@ class Trainer:
                 if cfg.algo.correction == "dc":
                     metrics["dc/lambda_used"] = self.dual.lam
                     self.dual.step(metrics["dc/mean_D"])
-                self.engine.sync(self.model.state_dict())
+                self.engine.sync(full_state_dict(self.model, self.world))
             lap("sync")
             self.logger.log_samples(self.state.step + 1, [
                 {"prompt": str(e.prompt), "completion": t, "reward": float(r)}
@@ -683,7 +821,6 @@ class Trainer:
         metrics["dc/lambda"] = self.dual.lam
         self.state.step += 1
         self.state.dual = self.dual.state_dict()
-        times["time/step"] = time.perf_counter() - start
         metrics.update(times)
         return metrics
 
@@ -708,7 +845,7 @@ class Trainer:
         """
         cfg = self.config
         history = []
-        bar = progress(cfg.steps, initial=self.state.step)
+        bar = progress(cfg.steps, initial=self.state.step, disable=not self.world.is_main)
         try:
             with StopSignals() as signals:
                 if cfg.eval.before_training and cfg.eval.num_prompts and self.state.step == 0:
@@ -781,9 +918,12 @@ class Trainer:
         return export_model(self.model, self.tokenizer, out_dir, self.source.gguf_path, gguf_type)
 
     def evaluate(self) -> dict[str, float]:
+        """Pass@k of the deployment engine on held-out problems; rank 0 evaluates, the others return {}."""
         from deployrl.evaluate import evaluate
 
         cfg = self.config
+        if not self.world.is_main:
+            return {}
         if self.eval_task is None:  # default: fresh problems of the training task (another seed)
             self.eval_task = load_task(cfg.eval.task or replace(cfg.task, seed=cfg.task.seed + 1))
         task = self.eval_task

@@ -151,7 +151,7 @@ def collect_groups(trainer, groups: int, max_rounds: int):
 def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: int, seed: int) -> dict:
     """All the benchmark's numbers for one trainer (model, engine, task)."""
     from deployrl.engines.base import trainer_view
-    from deployrl.models import output_head
+    from deployrl.models import completion_hidden, output_head
 
     cfg = trainer.config
     rollouts = collect_groups(trainer, groups, max_rounds)
@@ -163,8 +163,9 @@ def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: i
     real = batch.mask.bool()
     row = torch.arange(real.shape[0])[:, None].expand_as(real)[real]
     with torch.no_grad():
+        hidden = completion_hidden(trainer.model, batch.prompt_ids, batch.completion_ids, batch.mask)
         gram = head_gradient_gram(
-            old.hidden[real], output_head(trainer.model).detach(), batch.completion_ids[real], coef[real],
+            hidden[real], output_head(trainer.model).detach(), batch.completion_ids[real], coef[real],
             trainer_view(batch.semantics, params),
         )
     full_sq = float(gram.sum())

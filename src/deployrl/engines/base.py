@@ -37,6 +37,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()  # besides the model's end-of-sequence tokens
     seed: int = 0
+    first_prompt: int = 0  # the index of this call's first prompt in the step (see prompt_generators)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -48,6 +49,15 @@ class SamplingParams:
     @property
     def view(self) -> SamplingView:
         return SamplingView(self.temperature, self.top_k, self.top_p)
+
+    def prompt_generators(self, count: int, device: torch.device | str = "cpu") -> list[torch.Generator]:
+        """One generator per prompt of a call, seeded by (seed, first_prompt + its index): a prompt's
+        completions do not depend on the other prompts of the call, so the ranks of a distributed
+        run, each sampling its share of the step's prompts, draw what one process would."""
+        return [
+            torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + self.first_prompt + i)
+            for i in range(count)
+        ]
 
 
 def trainer_view(semantics: str, params: SamplingParams) -> SamplingView:

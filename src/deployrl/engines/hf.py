@@ -142,7 +142,7 @@ class HFEngine(RolloutEngine):
             attention[b, width - len(prompt) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
-        generator = torch.Generator(device=device).manual_seed(params.seed)
+        generators = params.prompt_generators(len(prompts), device)
         stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=device)
         view = params.view
 
@@ -156,7 +156,7 @@ class HFEngine(RolloutEngine):
                 cache=cache, use_cache=True, logits_to_keep=1,
             )
             cache = out.cache
-            draw = sample_next(out.logits[:, -1], view, generator)
+            draw = sample_next(out.logits[:, -1], view, generators)
             logp = draw.logp_processed if self.semantics == "processed" else draw.logp_raw
             tokens.append(draw.tokens)
             logps.append(logp)

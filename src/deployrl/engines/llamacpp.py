@@ -84,11 +84,10 @@ class LlamaCppEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         self.check_prompts(prompts, params)
         start = time.perf_counter()
-        generator = torch.Generator().manual_seed(params.seed)
         stop_ids = set(self.eos_token_ids) | set(params.stop_token_ids)
         view = params.view
         rows, completions, logps, finish = [], [], [], []
-        for prompt in prompts:
+        for prompt, generator in zip(prompts, params.prompt_generators(len(prompts))):
             self.llm.reset()
             self.llm.eval(prompt)
             prompt_logits = self._last_logits()
@@ -96,7 +95,7 @@ class LlamaCppEngine(RolloutEngine):
                 self.llm.n_tokens = len(prompt)  # drop the previous completion from the KV cache
                 logits, tokens, values, reason = prompt_logits, [], [], "length"
                 for _ in range(params.max_new_tokens):
-                    draw = sample_next(logits[None], view, generator)
+                    draw = sample_next(logits[None], view, [generator])
                     token = int(draw.tokens[0])
                     tokens.append(token)
                     values.append(float(draw.logp_processed[0] if self.semantics == "processed" else draw.logp_raw[0]))
