@@ -399,7 +399,7 @@ def flaky_engines(monkeypatch, trainer: Trainer, faults: list) -> threading.Even
     release, plan = threading.Event(), iter(faults)
     trainer.engine = FlakyEngine(trainer.engine, plan, release)
     build = trainer.build_engine
-    monkeypatch.setattr(trainer, "build_engine", lambda: FlakyEngine(build(), plan, release))
+    monkeypatch.setattr(trainer, "build_engine", lambda weights=None: FlakyEngine(build(weights), plan, release))
     return release
 
 

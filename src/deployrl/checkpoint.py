@@ -625,8 +625,11 @@ def export_model(
     out_dir: Path,
     gguf_template: Optional[Path] = None,
     gguf_type: str = "q4_1",
+    weights: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> dict[str, Path]:
     """Write the model for deployment; returns {"hf": folder} plus {"gguf": file} with a template.
+
+    `weights` (default: the model's state_dict) are the ones written: a sharded model's gathered weights.
 
     `out_dir/hf/` is a Hugging Face folder (safetensors, config, tokenizer) that
     `from_pretrained` loads; it replaces a previous export atomically. With `gguf_template`
@@ -649,7 +652,7 @@ def export_model(
     hf_dir = out_dir / "hf"
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-hf-", dir=out_dir))
     try:
-        _save_model(target, tokenizer, tmp)
+        _save_model(target, tokenizer, tmp, weights)
         _sync_tree(tmp)
         _move_into_place(tmp, hf_dir)
     except BaseException:
@@ -658,7 +661,7 @@ def export_model(
     written["hf"] = hf_dir
     if gguf_template is not None:
         out = out_dir / f"model-{gguf_type}.gguf"
-        write_gguf(target.state_dict(), target.config, gguf_template, out, gguf_type)
+        write_gguf(weights or target.state_dict(), target.config, gguf_template, out, gguf_type)
         _fsync_file(out)
         _fsync_dir(out_dir)
         written["gguf"] = out

@@ -16,6 +16,11 @@ def main(argv: list[str] | None = None) -> int:
             " (SmolLM2-135M-Instruct, reasoning-gym arithmetic, fp32 trainer, llama.cpp Q4_1 sampling,"
             " DC-GRPO + PS-PPO). Overrides are section.key=value, e.g. algo.dc.tolerance=0.01."
         ),
+        epilog=(
+            "Several processes (FSDP2; gloo on CPU, NCCL on GPUs): torchrun --nproc_per_node=N -m deployrl train"
+            " [config.yaml] [key=value ...]; several nodes: add torchrun's --nnodes and --rdzv-endpoint."
+            " See docs/distributed.md."
+        ),
     )
     parser.add_argument("items", nargs="*", metavar="[config.yaml] [key=value ...]",
                         help="an optional YAML config file, then dotted overrides")
@@ -65,5 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.export:
         written = trainer.export(Path(args.export))
-        print("exported: " + ", ".join(str(p) for p in written.values()))
+        if written:
+            print("exported: " + ", ".join(str(p) for p in written.values()))
+    if trainer.world.distributed:
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
     return 0

@@ -915,7 +915,11 @@ class Trainer:
         )
 
     def export(self, out_dir: Path, gguf_type: str = "q4_1") -> dict[str, Path]:
-        return export_model(self.model, self.tokenizer, out_dir, self.source.gguf_path, gguf_type)
+        """The final model as an HF folder (and a GGUF); written by rank 0, {} on the other ranks."""
+        weights = full_state_dict(self.model, self.world, to_main_only=True)
+        if not self.world.is_main:
+            return {}
+        return export_model(self.model, self.tokenizer, out_dir, self.source.gguf_path, gguf_type, weights)
 
     def evaluate(self) -> dict[str, float]:
         """Pass@k of the deployment engine on held-out problems; rank 0 evaluates, the others return {}."""
