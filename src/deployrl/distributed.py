@@ -180,7 +180,10 @@ def full_state_dict(model: torch.nn.Module, world: World, to_main_only: bool = F
     others get {}). A collective when the model is sharded: every rank must call it."""
     if not world.distributed:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=to_main_only)
     return {k: v.cpu() for k, v in get_model_state_dict(model, options=options).items()}

@@ -46,7 +46,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from deployrl.algo.advantages import broadcast_to_tokens, compute_advantages, zero_variance_groups
+from deployrl.algo.advantages import (
+    broadcast_to_tokens,
+    compute_advantages,
+    zero_variance_groups,
+)
 from deployrl.algo.discrepancy import (
     DualController,
     correction_weights,
@@ -55,14 +59,23 @@ from deployrl.algo.discrepancy import (
     token_discrepancy,
     trajectory_discrepancy,
 )
-from deployrl.algo.logprobs import chunked_token_stats
 from deployrl.algo.losses import policy_loss
-from deployrl.algo.prefix import PrefixPlan, cutoff_law, grad_norm_proxy, group_stats, sample_plan
-from deployrl.checkpoint import checkpoint_step, export_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from deployrl.algo.prefix import (
+    PrefixPlan,
+    cutoff_law,
+    grad_norm_proxy,
+    group_stats,
+    sample_plan,
+)
+from deployrl.checkpoint import (
+    checkpoint_step,
+    export_model,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from deployrl.config import PSConfig, TrainConfig
 from deployrl.configio import to_dict
-from deployrl.engines import make_engine
-from deployrl.engines.base import RolloutBatch, SamplingParams, check_rollouts, pad_rollouts, trainer_view
 from deployrl.distributed import (
     World,
     all_reduce_sum,
@@ -74,7 +87,24 @@ from deployrl.distributed import (
     init_world,
     shard,
 )
-from deployrl.models import DTYPES, Scorer, decoder_blocks, load_model, load_tokenizer, output_head, resolve_model, token_logprobs
+from deployrl.engines import make_engine
+from deployrl.engines.base import (
+    RolloutBatch,
+    SamplingParams,
+    check_rollouts,
+    pad_rollouts,
+    trainer_view,
+)
+from deployrl.models import (
+    DTYPES,
+    Scorer,
+    decoder_blocks,
+    load_model,
+    load_tokenizer,
+    output_head,
+    resolve_model,
+    token_logprobs,
+)
 from deployrl.prompts import encode_prompts
 from deployrl.rewards import overlong_penalty, score_completions
 from deployrl.runlog import EVENTS, RunLogger, check_writable, format_postfix, progress
