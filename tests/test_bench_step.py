@@ -14,7 +14,7 @@ from deployrl.config import load_config
 
 SMALL = [
     "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4", "rollout.context_length=256",
-    "task.size=16",
+    "task.size=16", "algo.ps.budget=2",
 ]
 
 

@@ -21,7 +21,7 @@ from deployrl.algo.prefix import STRATEGIES, UNCERTAINTY_METRICS
 from deployrl.configio import ConfigError, apply_overrides, build, load_yaml
 from deployrl.engines import parse_engine_spec
 from deployrl.engines.base import SamplingParams
-from deployrl.models import DTYPES
+from deployrl.models import ALIASES, DTYPES
 from deployrl.registry import unknown_name_error
 from deployrl.tasks import TaskConfig
 
@@ -41,6 +41,7 @@ def default_task() -> TaskConfig:
     )
 SCHEDULES = ("constant", "cosine")
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
+MAX_SEED = 2**32 - 1  # numpy's seed range, the narrowest of the generators a run seeds
 
 
 def _choice(kind: str, value: str, valid) -> None:
@@ -85,8 +86,16 @@ class RolloutConfig:
         if self.timeout_s is not None:
             check_positive("timeout_s", self.timeout_s)
         if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 (group-relative advantages), got {self.group_size}")
+            raise ValueError(
+                f"group_size must be >= 2, got {self.group_size}: advantages compare each completion with the"
+                " others of its prompt, so one completion per prompt has none; set rollout.group_size=2 or more (8 is usual)"
+            )
         self.sampling(seed=0)
+        if self.context_length <= self.max_new_tokens:
+            raise ValueError(
+                f"context_length={self.context_length} leaves no room for a prompt next to max_new_tokens="
+                f"{self.max_new_tokens} (the engine's context holds both); raise context_length or lower max_new_tokens"
+            )
 
     def sampling(self, seed: int) -> SamplingParams:
         return SamplingParams(
@@ -164,7 +173,8 @@ class AlgoConfig:
         _choice("KL estimator", self.kl_estimator, KL_ESTIMATORS.names())
         _choice("mismatch correction", self.correction, CORRECTION_CHOICES)
         _choice("dynamic sampling mode", self.dynamic_sampling, DYNAMIC_SAMPLING)
-        check_non_negative("eps_low", self.eps_low)
+        if not 0 <= self.eps_low < 1:
+            raise ValueError(f"eps_low must lie in [0, 1) (the ratio is clipped below at 1 - eps_low), got {self.eps_low}")
         check_non_negative("eps_high", self.eps_high)
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
@@ -223,6 +233,9 @@ class EvalConfig:
         check_non_negative("num_prompts", self.num_prompts)
         check_positive("samples", self.samples)
         check_positive("temperature", self.temperature)
+        check_non_negative("top_k", self.top_k)
+        if self.max_new_tokens is not None:
+            check_positive("max_new_tokens", self.max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -249,6 +262,26 @@ class TrainConfig:
         check_positive("save_every", self.save_every)
         check_positive("keep_last", self.keep_last)
         check_non_negative("log_samples", self.log_samples)
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must lie in [0, {MAX_SEED}], got {self.seed}")
+        if self.rollout.engine.partition(":")[0] == "llamacpp" and not _is_gguf_model(self.model.name):
+            raise ValueError(
+                f"rollout.engine={self.rollout.engine} writes the trainer's weights into a GGUF shaped like the"
+                f" model's own, so model.name must be a .gguf file or an alias ({', '.join(ALIASES)}), got"
+                f" {self.model.name!r}; for a Hugging Face model use rollout.engine=hf:bf16 (or fp32, fp16, fp8)"
+            )
+        eval_tokens = self.eval.max_new_tokens or self.rollout.max_new_tokens
+        if eval_tokens >= self.rollout.context_length:
+            raise ValueError(
+                f"eval.max_new_tokens={eval_tokens} leaves no room for a prompt in rollout.context_length="
+                f"{self.rollout.context_length}; raise context_length or lower eval.max_new_tokens"
+            )
+        if self.algo.ps.strategy != "full" and self.algo.ps.budget > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algo.ps.budget={self.algo.ps.budget:g} exceeds rollout.max_new_tokens={self.rollout.max_new_tokens}:"
+                f" every token would be kept, so the {self.algo.ps.strategy!r} cutoff law would cut nothing;"
+                " lower the budget below max_new_tokens or set algo.ps.strategy=full"
+            )
         if self.algo.overlong_buffer > self.rollout.max_new_tokens:
             raise ValueError(
                 f"algo.overlong_buffer={self.algo.overlong_buffer} exceeds rollout.max_new_tokens={self.rollout.max_new_tokens}"
@@ -258,6 +291,11 @@ class TrainConfig:
                 f"algo.ps.xi_min={self.algo.ps.xi_min} x rollout.max_new_tokens={self.rollout.max_new_tokens}"
                 f" exceeds algo.ps.budget={self.algo.ps.budget}: the budget could not be met"
             )
+
+
+def _is_gguf_model(name: str) -> bool:
+    """Whether model spec `name` is a GGUF file (or an alias of one)."""
+    return name in ALIASES or name.endswith(".gguf")
 
 
 def split_config_items(items: list[str]) -> tuple[Optional[Path], list[str]]:

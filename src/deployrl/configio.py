@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -26,7 +27,22 @@ class ConfigError(ValueError):
 
 class _Loader(yaml.SafeLoader):
     """YAML 1.2 scalars: only true/false are booleans (`off`, `no` stay strings) and
-    exponent floats need no dot (`2e-5` is a number, not a string)."""
+    exponent floats need no dot (`2e-5` is a number, not a string). A key given twice in one
+    mapping is an error (YAML forbids it; PyYAML would keep the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue  # `<<: *defaults` merges may repeat keys; unhashable keys fail in SafeLoader
+            key = self.construct_object(key_node)
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"key {key!r} is given twice (first on line {first_line[key] + 1}); keep one", key_node.start_mark,
+                )
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -52,15 +68,26 @@ def parse_yaml(text: str):
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
+    """The mapping of sections in YAML file `path`; every failure is a ConfigError naming the file (and line)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory; give a YAML config file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = parse_yaml(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); save it as UTF-8"
+        ) from None
+    try:
+        data = parse_yaml(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}{where}: invalid YAML ({getattr(err, 'problem', err)})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML (nested too deeply)") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -75,7 +102,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        value = parse_yaml(raw) if raw.strip() else None
+        try:
+            value = parse_yaml(raw) if raw.strip() else None
+        except (yaml.YAMLError, RecursionError) as err:
+            problem = getattr(err, "problem", None) or "nested too deeply"
+            hint = "" if isinstance(err, yaml.constructor.ConstructorError) else "; quote a string that holds YAML punctuation"
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}){hint}") from None
         node = merged
         parts = key.split(".")
         for part in parts[:-1]:
@@ -173,7 +205,13 @@ def _convert(hint: Any, value: Any, origin: str, key: str, default: Any = None) 
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{origin}: {key} must be a number, got {value!r}")
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond the range of floats
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"{origin}: {key} must be a finite number, got {number}")
+        return number
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{origin}: {key} must be a string, got {value!r}")

@@ -46,7 +46,7 @@ def evaluate(engine, tokenizer, task, cfg, max_new_tokens: int, seed: int = 0) -
 
 def main(argv: list[str] | None = None) -> int:
     from deployrl.config import EvalConfig
-    from deployrl.engines import make_engine
+    from deployrl.engines import make_engine, parse_engine_spec
     from deployrl.models import load_model, load_tokenizer, resolve_model
     from deployrl.tasks import TaskConfig, load_task
 
@@ -70,20 +70,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the scores as JSON")
     args = parser.parse_args(argv)
+    if args.num_prompts < 1:
+        parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
 
-    if args.benchmark:
-        task_cfg = TaskConfig(type="benchmark", name=args.benchmark)
-    else:
-        task_cfg = TaskConfig(type="reasoning_gym", name=args.task or "basic_arithmetic", seed=args.seed + 1)
-    cfg = EvalConfig(num_prompts=args.num_prompts, samples=args.samples, temperature=args.temperature,
-                     top_k=1 if args.greedy else 0)
-    task = load_task(task_cfg)
-    source = resolve_model(args.model)
-    # a llamacpp engine writes the weights into a GGUF shaped like a template's
-    engine_source = source
-    if args.gguf_template or (source.gguf_file is None and args.engine.startswith("llamacpp")):
-        engine_source = resolve_model(args.gguf_template or "smollm2-135m")
-    tokenizer = load_tokenizer(source)
+    try:  # every argument, the data and the model's files are checked before the model loads
+        parse_engine_spec(args.engine)
+        if args.benchmark:
+            task_cfg = TaskConfig(type="benchmark", name=args.benchmark)
+        else:
+            task_cfg = TaskConfig(type="reasoning_gym", name=args.task or "basic_arithmetic", seed=args.seed + 1)
+        cfg = EvalConfig(num_prompts=args.num_prompts, samples=args.samples, temperature=args.temperature,
+                         top_k=1 if args.greedy else 0, max_new_tokens=args.max_new_tokens)
+        task = load_task(task_cfg)
+        source = resolve_model(args.model)
+        # a llamacpp engine writes the weights into a GGUF shaped like a template's
+        engine_source = source
+        if args.gguf_template or (source.gguf_file is None and args.engine.startswith("llamacpp")):
+            engine_source = resolve_model(args.gguf_template or "smollm2-135m")
+        tokenizer = load_tokenizer(source)
+    except (ValueError, FileNotFoundError) as err:  # bad input: its message, not a traceback
+        parser.exit(2, f"deployrl eval: error: {err}\n")
     model = load_model(source).eval()
     engine = make_engine(args.engine, model, engine_source, [tokenizer.eos_token_id])
     scores = evaluate(engine, tokenizer, task, cfg, args.max_new_tokens, args.seed)

@@ -11,6 +11,7 @@ plain tensors by then, so the marker is cleared here.
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -37,7 +38,8 @@ class ModelSource:
 
 
 def resolve_model(spec: str) -> ModelSource:
-    """Turn a model spec into a ModelSource, failing early on missing files."""
+    """Turn a model spec into a ModelSource, failing early (before any weights load) on missing
+    files, an unsupported architecture or a GGUF without the metadata transformers needs."""
     if spec in ALIASES:
         package = ALIASES[spec]
         found = importlib.util.find_spec(package)
@@ -51,17 +53,25 @@ def resolve_model(spec: str) -> ModelSource:
         )
         if not files:
             raise FileNotFoundError(f"package {package} holds no .gguf file")
+        check_gguf_file(files[0])
         return ModelSource(str(files[0].parent), files[0].name)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
+        check_gguf_file(path)
         return ModelSource(str(path.parent), path.name)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is a directory without config.json: not a model directory")
+        check_model_config(path)
         return ModelSource(str(path))
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+    if path.exists():
+        raise UnsupportedModelError(
+            f"model {spec!r} is neither a directory nor a .gguf file: give the directory that holds"
+            " config.json and the weights, or a .gguf file"
+        )
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise FileNotFoundError(
             f"model {spec!r}: no such directory or GGUF file (nor a hub id of the form org/name);"
             f" aliases: {', '.join(ALIASES)}"
@@ -72,6 +82,8 @@ def resolve_model(spec: str) -> ModelSource:
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    check_tokenizer_files(source)
+    check_remote_code(source, trust_remote_code)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code, **kwargs)
 
@@ -87,6 +99,7 @@ def load_model(
 
     if dtype not in DTYPES:
         raise unknown_name_error("training dtype", dtype, list(DTYPES))
+    check_remote_code(source, trust_remote_code)
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(
         source.location, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs
@@ -95,6 +108,103 @@ def load_model(
     if activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+class UnsupportedModelError(ValueError):
+    """A model's files exist but cannot be trained here; the message names the file and the fix."""
+
+
+GGUF_MODEL_KEYS = ("block_count", "embedding_length")  # "<architecture>.<key>", the model's shape
+GGUF_TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")  # the tokenizer is built from these
+GGUF_ARCH_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_gguf_file(path: Path) -> None:
+    """Refuse a GGUF file transformers cannot build a model from: not a GGUF, an architecture
+    transformers does not load from GGUF, or metadata without the model's shape or tokenizer."""
+    import gguf
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    try:
+        fields = gguf.GGUFReader(path).fields
+    except Exception as err:  # noqa: BLE001 - bad magic, truncated header: ValueError, IndexError, numpy's errors
+        raise UnsupportedModelError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+    if "general.architecture" not in fields:
+        raise UnsupportedModelError(
+            f"{path}: the GGUF metadata has no general.architecture; convert the model again with"
+            " llama.cpp's convert_hf_to_gguf.py, or give model.name a Hugging Face model directory"
+        )
+    arch = str(fields["general.architecture"].contents())
+    supported = sorted(set(GGUF_CONFIG_MAPPING) - {"general", "tokenizer"})  # the others are architectures
+    if GGUF_ARCH_NAMES.get(arch, arch) not in supported:
+        raise UnsupportedModelError(
+            f"{path}: architecture {arch!r} cannot be loaded from GGUF by transformers (it loads"
+            f" {', '.join(supported)}); give model.name the model's Hugging Face directory instead"
+        )
+    missing = [f"{arch}.{key}" for key in GGUF_MODEL_KEYS if f"{arch}.{key}" not in fields]
+    missing += [key for key in GGUF_TOKENIZER_KEYS if key not in fields]
+    if missing:
+        raise UnsupportedModelError(
+            f"{path}: the GGUF metadata lacks {', '.join(missing)}, which transformers needs to build"
+            " the model and its tokenizer; convert the model again with llama.cpp's convert_hf_to_gguf.py"
+        )
+
+
+def check_model_config(directory: Path) -> None:
+    """Refuse a model directory whose config.json does not describe a causal language model
+    transformers knows (a model that brings its own code, `auto_map`, is left to trust_remote_code)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UnsupportedModelError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    if "AutoModelForCausalLM" in (config.get("auto_map") or {}):
+        return
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise UnsupportedModelError(f"{path}: no 'model_type'; save the model with save_pretrained to get a complete config")
+    if model_type not in CONFIG_MAPPING:
+        raise UnsupportedModelError(
+            f"{path}: unsupported architecture {model_type!r}: transformers {transformers.__version__} does not know it;"
+            " upgrade transformers, or use a model of a known architecture (llama, qwen2, ...)"
+        )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModelError(
+            f"{path}: architecture {model_type!r} is not a causal language model (transformers has no"
+            " AutoModelForCausalLM for it); deployrl trains decoder-only text models such as llama or qwen2"
+        )
+
+
+def check_tokenizer_files(source: ModelSource) -> None:
+    """Refuse a local model directory that holds no tokenizer (a GGUF carries its own)."""
+    location = Path(source.location)
+    if source.gguf_file is None and location.is_dir() and not any((location / f).is_file() for f in TOKENIZER_FILES):
+        raise UnsupportedModelError(
+            f"{location}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the tokenizer next to the"
+            " weights (tokenizer.save_pretrained) or copy those files from the base model"
+        )
+
+
+def check_remote_code(source: ModelSource, trust_remote_code: bool) -> None:
+    """Refuse a local model that needs its own Python code unless the user allowed running it."""
+    path = Path(source.location) / "config.json"
+    if trust_remote_code or source.gguf_file is not None or not path.is_file():
+        return
+    from transformers import CONFIG_MAPPING
+
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if "AutoModelForCausalLM" in (config.get("auto_map") or {}) and config.get("model_type") not in CONFIG_MAPPING:
+        raise UnsupportedModelError(
+            f"{path}: the model ships its own Python code (auto_map) for an architecture transformers does not"
+            " know; loading it runs that code: set model.trust_remote_code=true only if you trust its source"
+        )
 
 
 def clear_quantization_marker(model) -> None:

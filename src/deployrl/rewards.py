@@ -15,10 +15,15 @@ Grading can hang (sympy on a pathological expression) and must not stop a traini
 ``score_completions`` runs each call in a small pool of worker *processes* that is reused
 across calls: a call past its time limit is stopped by killing its worker (a fresh one replaces
 it), which works from any thread (no ``signal.alarm``). math-verify's own signal-based timeouts
-are switched off. A reward that raises or times out scores 0 and is counted in
-``RewardScores``. A function that cannot be sent to a worker (a lambda, a closure, a function
-of ``__main__``) runs in-process in a thread instead; its time limit is then only a deadline
-(a hung call is abandoned, not stopped).
+are switched off. Answer extraction is linear in the completion's length, so model output
+full of unclosed braces or tags is scanned in milliseconds. A reward that raises or times out
+scores 0 and is counted in ``RewardScores``. A function that cannot be sent to a worker (a
+lambda, a closure, a function of ``__main__``) runs in-process in a thread instead; its time
+limit is then only a deadline (a hung call is abandoned, not stopped).
+
+``get_reward`` imports a user function only from the module named, found on ``sys.path``: a
+file path or a dunder attribute is refused. Functions travel to the workers by reference
+(module and name) over a pipe only the trainer and its own workers hold.
 """
 
 from __future__ import annotations
@@ -61,30 +66,67 @@ class RewardError(RuntimeError):
 # --------------------------------------------------------------------------- answer extraction
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE_RE = re.compile(r"[{}]")
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+    """The position of every ``{`` of `text` that is closed -> the position of its ``}``; one
+    pass, so that model output full of unbalanced braces costs linear time.
+
+    >>> _closing_braces("{a{b}}}{")
+    {2: 4, 0: 5}
+    """
+    closing: dict[int, int] = {}
+    opened: list[int] = []
+    for match in _BRACE_RE.finditer(text):
+        if match.group() == "{":
+            opened.append(match.start())
+        elif opened:
+            closing[opened.pop()] = match.start()
+    return closing
 
 
 def last_boxed(text: str) -> Optional[str]:
-    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in `text`, braces balanced.
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in `text`, braces balanced;
+    a box that is never closed is passed over for the one before it.
 
     >>> last_boxed(r"first \\boxed{1}, then \\boxed{\\frac{1}{2}}.")
     '\\\\frac{1}{2}'
+    >>> last_boxed(r"\\boxed{1} \\boxed{2")
+    '1'
     >>> last_boxed("no box") is None
     True
     """
-    for match in reversed(list(_BOX_RE.finditer(text))):
-        depth = 0
-        for k in range(match.end() - 1, len(text)):
-            if text[k] == "{":
-                depth += 1
-            elif text[k] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[match.end() : k]
-        # unbalanced: try an earlier box
+    boxes = list(_BOX_RE.finditer(text))
+    if not boxes:
+        return None
+    closing = _closing_braces(text)
+    for match in reversed(boxes):
+        end = closing.get(match.end() - 1)
+        if end is not None:
+            return text[match.end() : end]
     return None
 
 
-_ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+def last_answer_tag(text: str) -> Optional[str]:
+    """The content of the last ``<answer>...</answer>`` pair of `text` (pairs read left to right,
+    each opening tag closed by the next closing tag), or None; linear time.
+
+    >>> last_answer_tag("<answer>1</answer> then <answer> 2 </answer>")
+    ' 2 '
+    >>> last_answer_tag("<answer>a <answer>b</answer>")
+    'a <answer>b'
+    >>> last_answer_tag("<answer>unclosed") is None
+    True
+    """
+    content, start = None, text.find("<answer>")
+    while start >= 0:
+        end = text.find("</answer>", start + len("<answer>"))
+        if end < 0:
+            break
+        content = text[start + len("<answer>") : end]
+        start = text.find("<answer>", end + len("</answer>"))
+    return content
 
 
 def extract_final_answer(text: str) -> Optional[str]:
@@ -100,10 +142,10 @@ def extract_final_answer(text: str) -> Optional[str]:
     >>> extract_final_answer("7") is None
     True
     """
-    tags = _ANSWER_TAG_RE.findall(text)
-    if tags:
-        inner = last_boxed(tags[-1])  # <answer>\boxed{5}</answer> -> 5
-        return (inner if inner is not None else tags[-1]).strip()
+    tag = last_answer_tag(text)
+    if tag is not None:
+        inner = last_boxed(tag)  # <answer>\boxed{5}</answer> -> 5
+        return (inner if inner is not None else tag).strip()
     boxed = last_boxed(text)
     return boxed.strip() if boxed is not None else None
 
@@ -329,6 +371,16 @@ def get_reward(name: str) -> RewardFn:
     module_name, _, attr_path = name.partition(":")
     if not module_name or not attr_path:
         raise ValueError(f"reward {name!r}: expected 'package.module:function'")
+    if not all(part.isidentifier() for part in module_name.split(".")):
+        raise ValueError(
+            f"reward {name!r}: {module_name!r} is not a module name; give the module's import name"
+            " (package.module, found on sys.path: put its directory on PYTHONPATH), not a file path"
+        )
+    if not all(part.isidentifier() and not part.startswith("__") for part in attr_path.split(".")):
+        raise ValueError(
+            f"reward {name!r}: {attr_path!r} must name a function of the module (function or Class.method),"
+            " without dunder attributes"
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # ImportError, or an error raised while importing the module

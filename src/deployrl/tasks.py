@@ -3,7 +3,10 @@
 A task comes from a JSONL or Parquet file, a Hugging Face dataset, a reasoning-gym procedural
 generator, or one of the math benchmarks shipped in ``data/benchmarks``. ``load_task`` reads
 and validates every example before it returns (the trainer calls it before loading a model):
-a bad file fails at once with the file, the line and the field.
+a bad file fails at once with the file, the line and the field. With
+``on_bad_example: skip`` a malformed example (bad JSON, bytes that are not UTF-8, a missing,
+empty or non-text field) is left out instead, counted in ``Task.skipped`` and logged; a file
+that is missing or unreadable, or holds no valid example, still stops.
 
 Prompts: the user text is the question, then ``"\\n\\n"`` and the instruction (by default the
 reward's: ``\\boxed{}`` for math, ``<answer>`` tags for reasoning-gym); with a system prompt the
@@ -12,8 +15,11 @@ prompt is a chat list ``[{"role": "system", ...}, {"role": "user", ...}]``.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
+import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,7 +30,10 @@ from deployrl.prompts import Prompt
 from deployrl.registry import unknown_name_error
 from deployrl.rewards import RewardFn, get_reward, last_boxed
 
+logger = logging.getLogger(__name__)
+
 TASK_TYPES = ("jsonl", "parquet", "hf", "reasoning_gym", "benchmark")
+BAD_EXAMPLE_ACTIONS = ("stop", "skip")
 
 DEFAULT_INSTRUCTIONS = {
     "math": "Please reason step by step, and put your final answer within \\boxed{}.",
@@ -80,10 +89,17 @@ class TaskConfig:
     reward: str = "auto"
     # keep only the first N examples (None: all)
     max_examples: Optional[int] = None
+    # a malformed example (bad JSON line, missing, empty or non-text field): stop, with its file,
+    # line and field; or skip it (counted in Task.skipped, logged) and load the rest
+    on_bad_example: str = "stop"
 
     def __post_init__(self) -> None:
         if self.type not in TASK_TYPES:
             raise _field_error("type", unknown_name_error("task type", str(self.type), list(TASK_TYPES)))
+        if self.on_bad_example not in BAD_EXAMPLE_ACTIONS:
+            raise _field_error(
+                "on_bad_example", unknown_name_error("action", str(self.on_bad_example), list(BAD_EXAMPLE_ACTIONS))
+            )
         for name in ("name", "split", "prompt_field", "answer_field", "reward"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
@@ -161,6 +177,7 @@ class Task:
     reward: RewardFn  # (completion_text, reference) -> float
     reward_name: str = "math"  # the name or import path `reward` came from
     config: Optional[TaskConfig] = None
+    skipped: list[str] = field(default_factory=list)  # why each malformed example was left out (on_bad_example: skip)
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -210,6 +227,18 @@ def make_prompt(question: Prompt, instruction: Optional[str] = None, system_prom
     return messages
 
 
+def _check_encodable(text: str, where: str, field_name: str) -> None:
+    """Refuse text that UTF-8 cannot encode: a lone surrogate (the JSON escape "\\ud800"), which
+    no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise TaskDataError(
+            f"{where}: field {field_name!r} holds a lone UTF-16 surrogate ({text[err.start]!r} at character"
+            f" {err.start}), which is not text a tokenizer accepts; fix the escape in the file"
+        ) from None
+
+
 def _is_messages(value: Any) -> bool:
     return (
         isinstance(value, list)
@@ -223,8 +252,11 @@ def _is_messages(value: Any) -> bool:
 
 def _check_prompt(value: Any, where: str, field_name: str) -> Prompt:
     if isinstance(value, str) and value.strip():
+        _check_encodable(value, where, field_name)
         return value
     if _is_messages(value):
+        for message in value:
+            _check_encodable(message["content"], where, field_name)
         return [{"role": m["role"], "content": m["content"]} for m in value]
     raise TaskDataError(
         f"{where}: field {field_name!r} must be a non-empty string or a list of chat messages"
@@ -240,8 +272,8 @@ def _check_answer(value: Any, where: str, field_name: str) -> Any:
             raise TaskDataError(f"{where}: field {field_name!r} is an empty string")
         return value
     if isinstance(value, (int, float)):
-        if isinstance(value, float) and value != value:
-            raise TaskDataError(f"{where}: field {field_name!r} is NaN")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise TaskDataError(f"{where}: field {field_name!r} is {value} (not a finite number)")
         return value
     if isinstance(value, (list, tuple)):
         if not value:
@@ -271,28 +303,78 @@ def _record_example(record: Any, where: str, config: TaskConfig, instruction: Op
 
 # --------------------------------------------------------------------------- files
 
-def json_lines(path: Path) -> Iterator[tuple[str, dict]]:
-    """("file:line", object) for each non-empty line of a JSONL file; errors name file and line."""
+@dataclass
+class BadExamples:
+    """What to do with an example that fails validation: ``stop`` raises its TaskDataError,
+    ``skip`` keeps the message (``messages``) and lets the loader go on."""
+
+    action: str = "stop"
+    messages: list[str] = field(default_factory=list)
+
+    def handle(self, err: TaskDataError) -> None:
+        if self.action == "stop":
+            raise err
+        self.messages.append(str(err))
+
+
+def _json_line(raw: bytes, where: str) -> Optional[dict]:
+    """The JSON object on one line of a JSONL file (None for a blank line); errors name `where`."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TaskDataError(
+            f"{where}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); save the file as UTF-8"
+        ) from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise TaskDataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+    except (ValueError, RecursionError) as err:  # an integer too long to convert, arrays nested too deep
+        raise TaskDataError(f"{where}: JSON that cannot be read ({type(err).__name__}: {err})") from None
+    if not isinstance(record, dict):
+        raise TaskDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def json_lines(path: Path, bad: Optional[BadExamples] = None) -> Iterator[tuple[str, dict]]:
+    """("file:line", object) for each non-empty line of a JSONL file; errors name file and line.
+
+    A malformed line goes to `bad` (default: stop at it); a missing file always stops."""
+    bad = bad or BadExamples()
+    if path.is_dir():
+        raise TaskDataError(f"{path}: a directory, not a JSONL file")
     if not path.is_file():
         raise TaskDataError(f"{path}: file not found")
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
             where = f"{path}:{number}"
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)  # editors on Windows start UTF-8 files with one
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TaskDataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict):
-                raise TaskDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            yield where, record
+                record = _json_line(raw, where)
+            except TaskDataError as err:
+                bad.handle(err)
+                continue
+            if record is not None:
+                yield where, record
 
 
-def _load_jsonl(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
+def _load_jsonl(config: TaskConfig, instruction: Optional[str], bad: BadExamples) -> list[Example]:
+    return _valid_examples(json_lines(Path(config.path), bad), config, instruction, bad)
+
+
+def _valid_examples(
+    records: Iterator[tuple[str, dict]], config: TaskConfig, instruction: Optional[str], bad: BadExamples
+) -> list[Example]:
+    """The examples of (where, record) pairs, the first `config.max_examples`; a malformed record goes to `bad`."""
     examples = []
-    for where, record in json_lines(Path(config.path)):
-        examples.append(_record_example(record, where, config, instruction))
+    for where, record in records:
+        try:
+            examples.append(_record_example(record, where, config, instruction))
+        except TaskDataError as err:
+            bad.handle(err)
         if config.max_examples is not None and len(examples) >= config.max_examples:
             break
     return examples
@@ -320,7 +402,7 @@ def load_prompt_file(path: Path) -> list[Prompt]:
     return prompts
 
 
-def _load_parquet(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
+def _load_parquet(config: TaskConfig, instruction: Optional[str], bad: BadExamples) -> list[Example]:
     import pyarrow.parquet as pq
 
     path = Path(config.path)
@@ -338,13 +420,12 @@ def _load_parquet(config: TaskConfig, instruction: Optional[str]) -> list[Exampl
     if config.max_examples is not None:
         table = table.slice(0, config.max_examples)
     records = table.select([config.prompt_field, config.answer_field]).to_pylist()
-    return [
-        _record_example(record, f"{path}:row {number}", config, instruction)
-        for number, record in enumerate(records, start=1)
-    ]
+    return _valid_examples(
+        ((f"{path}:row {number}", record) for number, record in enumerate(records, start=1)), config, instruction, bad
+    )
 
 
-def _load_hf(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
+def _load_hf(config: TaskConfig, instruction: Optional[str], bad: BadExamples) -> list[Example]:
     try:
         import datasets
     except ImportError as err:  # pragma: no cover - datasets is a dependency
@@ -379,10 +460,10 @@ def _load_hf(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
     if config.max_examples is not None:
         data = data.select(range(min(config.max_examples, len(data))))
     data = data.select_columns([config.prompt_field, config.answer_field])
-    return [
-        _record_example(record, f"hf:{config.name}[{config.split}]#{index}", config, instruction)
-        for index, record in enumerate(data)
-    ]
+    return _valid_examples(
+        ((f"hf:{config.name}[{config.split}]#{index}", record) for index, record in enumerate(data)),
+        config, instruction, bad,
+    )
 
 
 # --------------------------------------------------------------------------- reasoning-gym
@@ -401,7 +482,7 @@ def reasoning_gym_settings(name: str) -> list[str]:
     return [f.name for f in dataclasses.fields(DATASETS[name][1]) if f.name not in ("size", "seed")]
 
 
-def _load_reasoning_gym(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
+def _load_reasoning_gym(config: TaskConfig, instruction: Optional[str], bad: BadExamples) -> list[Example]:
     import reasoning_gym
 
     try:
@@ -418,7 +499,8 @@ def _load_reasoning_gym(config: TaskConfig, instruction: Optional[str]) -> list[
         where = f"reasoning_gym:{config.name}#{index}"
         question = entry.get("question")
         if not isinstance(question, str) or not question.strip():
-            raise TaskDataError(f"{where}: reasoning-gym produced an entry without a question")
+            bad.handle(TaskDataError(f"{where}: reasoning-gym produced an entry without a question"))
+            continue
         if config.rg_config:
             entry["dataset_config"] = dict(config.rg_config)
         examples.append(Example(make_prompt(question, instruction, config.system_prompt), entry, where))
@@ -524,17 +606,19 @@ def benchmark_file(name: str, override: Optional[str] = None) -> Path:
     return path
 
 
-def _load_benchmark(config: TaskConfig, instruction: Optional[str]) -> list[Example]:
+def _load_benchmark(config: TaskConfig, instruction: Optional[str], bad: BadExamples) -> list[Example]:
     spec = BENCHMARKS[config.name]
     path = benchmark_file(config.name, config.path)
     examples = []
-    for where, record in json_lines(path):
+    for where, record in json_lines(path, bad):
         question = spec.question(record)
         if not isinstance(question, str) or not question.strip():
-            raise TaskDataError(f"{where}: no question (field 'problem'/'question' missing or empty)")
+            bad.handle(TaskDataError(f"{where}: no question (field 'problem'/'question' missing or empty)"))
+            continue
         answer = spec.answer(record)
         if answer is None or (isinstance(answer, str) and not answer.strip()):
-            raise TaskDataError(f"{where}: no reference answer in field {spec.answer_field!r}")
+            bad.handle(TaskDataError(f"{where}: no reference answer in field {spec.answer_field!r}"))
+            continue
         if isinstance(answer, float) and answer.is_integer():
             answer = int(answer)
         answer = str(answer)
@@ -561,10 +645,20 @@ def load_task(config: TaskConfig) -> Task:
     if not isinstance(config, TaskConfig):
         raise TypeError(f"load_task expects a TaskConfig, got {type(config).__name__}")
     reward = get_reward(config.reward_name)
-    examples = _LOADERS[config.type](config, config.resolved_instruction)
+    bad = BadExamples(config.on_bad_example)
+    examples = _LOADERS[config.type](config, config.resolved_instruction, bad)
+    name = _task_name(config)
     if not examples:
-        raise TaskDataError(f"task {_task_name(config)}: no examples")
-    return Task(name=_task_name(config), examples=examples, reward=reward, reward_name=config.reward_name, config=config)
+        raise TaskDataError(f"task {name}: no examples" + (f" ({_skipped_summary(bad)})" if bad.messages else ""))
+    if bad.messages:
+        logger.warning("task %s: %d examples loaded, %s", name, len(examples), _skipped_summary(bad))
+    return Task(
+        name=name, examples=examples, reward=reward, reward_name=config.reward_name, config=config, skipped=bad.messages
+    )
+
+
+def _skipped_summary(bad: BadExamples) -> str:
+    return f"{len(bad.messages)} malformed example(s) skipped (task.on_bad_example=skip); first: {bad.messages[0]}"
 
 
 def _task_name(config: TaskConfig) -> str:

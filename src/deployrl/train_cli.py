@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from deployrl.checkpoint import CheckpointError, latest_checkpoint
+    from deployrl.models import UnsupportedModelError
     from deployrl.runlog import RunDirectoryError
+    from deployrl.tasks import TaskDataError
     from deployrl.trainer import Trainer, TrainingError, TrainingInterrupted
 
     resume_command = shlex.join(
@@ -52,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         trainer = Trainer(config, resume=args.resume)
-    except (RunDirectoryError, CheckpointError) as err:
-        print(f"deployrl train: error: {err}", file=sys.stderr)
+    except (RunDirectoryError, CheckpointError, TaskDataError, UnsupportedModelError, FileNotFoundError) as err:
+        print(f"deployrl train: error: {err}", file=sys.stderr)  # bad input: its message, not a traceback
         return 1
     trainer.resume_command = resume_command
     if trainer.resumed_from is not None:

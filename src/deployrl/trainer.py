@@ -319,6 +319,10 @@ class Trainer:
         self.config = config
         self.world = world or init_world()
         self.task: Task = load_task(config.task)  # data is validated before any model loads
+        # held-out problems (default: fresh ones of the training task, another seed), checked now too
+        self.eval_task: Optional[Task] = load_task(
+            config.eval.task or replace(config.task, seed=config.task.seed + 1)
+        ) if config.eval.num_prompts else None
         if len(self.task.examples) < config.rollout.prompts_per_step:
             raise ValueError(
                 f"task {self.task.name} has {len(self.task.examples)} examples, fewer than"
@@ -353,7 +357,6 @@ class Trainer:
         self.state = TrainState(tolerance=dc.tolerance)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.order = self._data_order()
-        self.eval_task: Optional[Task] = None
         self.resumed_from: Optional[Path] = None
         # sha256s checked: a corrupt newest checkpoint is skipped for the one before it
         checkpoint = latest_checkpoint(self.run_dir, deep=True) if resume else None
@@ -958,8 +961,6 @@ class Trainer:
         cfg = self.config
         if not self.world.is_main:
             return {}
-        if self.eval_task is None:  # default: fresh problems of the training task (another seed)
-            self.eval_task = load_task(cfg.eval.task or replace(cfg.task, seed=cfg.task.seed + 1))
         task = self.eval_task
         return evaluate(
             self.engine, self.tokenizer, task, cfg.eval, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens, cfg.seed
