@@ -80,6 +80,13 @@ def test_two_ranks_train_as_one_process(one_and_two, variant):
 
 
 @pytest.mark.slow
+def test_one_engine_on_rank_0_trains_as_one_process(one_and_two, tmp_path, tiny_dir):
+    finished(launch(2, tmp_path, tiny_dir, ["grpo"], "steps=3", "rollout.engine_ranks=main"))
+    assert ranks_log(tmp_path / "grpo", 0)["reward"] == ranks_log(one_and_two[1] / "grpo", 0)["reward"]
+    assert_same_weights(one_and_two[1] / "grpo", tmp_path / "grpo")
+
+
+@pytest.mark.slow
 def test_lambda_is_the_same_on_every_rank(tmp_path, tiny_dir):
     # a bf16 engine and c below its discrepancy, so that λ moves
     finished(launch(2, tmp_path, tiny_dir, ["dc_optimized"], "steps=4", "rollout.engine=hf:bf16",

@@ -41,6 +41,7 @@ def default_task() -> TaskConfig:
     )
 SCHEDULES = ("constant", "cosine")
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
+ENGINE_RANKS = ("all", "main")
 MAX_SEED = 2**32 - 1  # numpy's seed range, the narrowest of the generators a run seeds
 
 
@@ -78,9 +79,11 @@ class RolloutConfig:
     context_length: int = 2048  # the engine's context (prompt + completion)
     max_retries: int = 2  # a failed, hung or malformed generation is retried this often on a fresh engine
     timeout_s: Optional[float] = None  # seconds one generation call may take before it counts as hung; None: no limit
+    engine_ranks: str = "all"  # several ranks: all (each samples its share with its own engine) or main (rank 0 samples all)
 
     def __post_init__(self) -> None:
         parse_engine_spec(self.engine)
+        _choice("engine_ranks", self.engine_ranks, ENGINE_RANKS)
         check_positive("prompts_per_step", self.prompts_per_step)
         check_non_negative("max_retries", self.max_retries)
         if self.timeout_s is not None:

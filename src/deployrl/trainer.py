@@ -78,6 +78,7 @@ from deployrl.config import PSConfig, TrainConfig
 from deployrl.configio import to_dict
 from deployrl.distributed import (
     World,
+    all_gather_rows,
     all_reduce_sum,
     any_rank,
     balanced_shares,
@@ -89,6 +90,7 @@ from deployrl.distributed import (
 )
 from deployrl.engines import make_engine
 from deployrl.engines.base import (
+    SEMANTICS,
     RolloutBatch,
     SamplingParams,
     check_rollouts,
@@ -338,7 +340,9 @@ class Trainer:
         ).to(self.world.device)
         self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False) if config.algo.kl_coef > 0 else None
         self.vocab_size = output_head(self.model).shape[0]
-        self.engine = self.build_engine()  # from the whole model, before it is sharded
+        # which ranks hold a rollout engine (built from the whole model, before it is sharded)
+        self.samples = self.world.is_main or config.rollout.engine_ranks == "all"
+        self.engine = self.build_engine() if self.samples else None
         # every use of the weights goes through these calls (what FSDP needs)
         self.scorer = Scorer(self.model)
         self.ref_scorer = Scorer(self.ref_model) if self.ref_model is not None else None
@@ -368,7 +372,7 @@ class Trainer:
             self.dual.load_state_dict(self.state.dual)
             if self.state.tolerance is not None:
                 self.dual.tolerance = self.state.tolerance
-            self.engine.sync(full_state_dict(self.model, self.world))
+            self.sync_engine()
             self.resumed_from = checkpoint
         else:
             if resume:
@@ -382,6 +386,17 @@ class Trainer:
         if resume:  # drop what the lost steps logged (all of it when there was no checkpoint)
             self.logger.truncate_after(self.state.step if self.resumed_from is not None else -1)
             self.logger.log_event(self.state.step, "resumed", checkpoint=self.resumed_from)
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The model's whole weights for the engines: on every rank, or on rank 0 alone when only it
+        samples (`rollout.engine_ranks=main`; the others get {}). A collective when sharded."""
+        return full_state_dict(self.model, self.world, to_main_only=self.config.rollout.engine_ranks == "main")
+
+    def sync_engine(self) -> None:
+        """Give this rank's engine (if it has one) the model's current weights; every rank calls it."""
+        weights = self.engine_weights()
+        if self.engine is not None:
+            self.engine.sync(weights)
 
     def eos_token_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -431,13 +446,14 @@ class Trainer:
         for attempt in range(rollout.max_retries + 1):
             failure = None
             try:
-                if self.engine is None:
+                if self.engine is None and self.samples:
                     self.engine = self.build_engine(weights)
                 if prompt_ids:
                     batch = self._generate_within_timeout(prompt_ids, params)
                     check_rollouts(batch, prompt_ids, params, self.vocab_size)
                 else:  # this rank's share of the step is empty
-                    batch = pad_rollouts([], [], [], [], self.engine.semantics, params.n, {})
+                    semantics = self.engine.semantics if self.engine is not None else "none"  # gather_batch skips it
+                    batch = pad_rollouts([], [], [], [], semantics, params.n, {})
             except Exception as err:
                 failure = err
                 self.engine = None  # never reused: it may be hung, or broken in a way a retry would repeat
@@ -448,7 +464,7 @@ class Trainer:
             if not any_rank(failure is not None, self.world):
                 return batch
             if attempt < rollout.max_retries and self.world.distributed:
-                weights = full_state_dict(self.model, self.world)
+                weights = self.engine_weights()
         error = f"{type(failure).__name__}: {failure}" if failure is not None else "the engine of another rank failed"
         raise EngineError(
             f"the rollout engine {rollout.engine} failed {rollout.max_retries + 1} times in a row at step"
@@ -489,7 +505,10 @@ class Trainer:
         """
         world, k = self.world, params.n
         prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples])
-        shares = contiguous_shares(len(examples), world.size)
+        if self.config.rollout.engine_ranks == "all":
+            shares = contiguous_shares(len(examples), world.size)
+        else:  # rank 0's engine samples every prompt
+            shares = [range(len(examples))] + [range(len(examples), len(examples))] * (world.size - 1)
         mine = shares[world.rank]
         local = self.generate([prompt_ids[i] for i in mine], replace(params, first_prompt=params.first_prompt + mine.start))
         row_shares = [[row for g in share for row in range(g * k, (g + 1) * k)] for share in shares]
@@ -525,6 +544,9 @@ class Trainer:
         if not world.distributed:
             return local
         stops = torch.tensor([f == "stop" for f in local.finish_reasons], dtype=torch.bool)
+        # the engine's semantics, from a rank that sampled (a rank without rows may hold no engine)
+        codes = all_gather_rows(torch.tensor([SEMANTICS.index(local.semantics) if local.finish_reasons else -1]), world)
+        semantics = SEMANTICS[max(int(c) for c in codes)]
         tokens, seconds = all_reduce_sum([local.timing.get("tokens", 0.0), local.timing.get("generate_s", 0.0)], world)
         seconds /= world.size  # the ranks generate at the same time
         return RolloutBatch(
@@ -533,7 +555,7 @@ class Trainer:
             logp_inf=gather_in_order(local.logp_inf, row_shares, world),
             mask=gather_in_order(local.mask, row_shares, world),
             finish_reasons=["stop" if s else "length" for s in gather_in_order(stops, row_shares, world).tolist()],
-            semantics=local.semantics,
+            semantics=semantics,
             group_size=local.group_size,
             timing={"generate_s": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9)},
         )
@@ -842,7 +864,7 @@ class Trainer:
                 if cfg.algo.correction == "dc":
                     metrics["dc/lambda_used"] = self.dual.lam
                     self.dual.step(metrics["dc/mean_D"])
-                self.engine.sync(full_state_dict(self.model, self.world))
+                self.sync_engine()
             lap("sync")
             self.logger.log_samples(self.state.step + 1, [
                 {"prompt": str(e.prompt), "completion": t, "reward": float(r)}
