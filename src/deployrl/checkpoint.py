@@ -5,6 +5,7 @@ A checkpoint is a directory ``run_dir/checkpoints/step_{step:08d}/``::
     model/                   save_pretrained (safetensors) + tokenizer: from_pretrained loads it
     optimizer.safetensors    tensors of the optimizer state, keyed "state.{parameter name}.{name}"
     optimizer.json           the rest of it (param_groups, python-number state), tensors by key
+    shards/                  instead of optimizer.*, when saved by several ranks (below)
     scheduler.json           scheduler.state_dict() without its functions
     rng.safetensors          torch CPU (and CUDA) RNG states, the caller's torch.Generator states
     rng.json                 python `random` and numpy's legacy global state
@@ -24,10 +25,13 @@ its temporary directory and raises a CheckpointError; the checkpoints before it 
 since old ones are pruned only after a new one is in place. One process writes a run directory
 at a time.
 
-Weights and optimizer state are stored whole and keyed by parameter name, through
-`torch.distributed.checkpoint.state_dict`: with an FSDP-sharded model every rank takes part in
-gathering them, rank 0 alone writes, and loading hands each rank its shard. A checkpoint
-therefore resumes on any number of ranks, and `model/` is the consolidated safetensors export.
+Weights and optimizer state are keyed by parameter name (`torch.distributed.checkpoint.state_dict`).
+A single process writes them whole. Ranks of an FSDP-sharded run each write their own shards of
+both with `torch.distributed.checkpoint` into ``shards/`` (safetensors files, one per rank, whose
+headers say which slice each holds; the optimizer's hyper-parameters go to ``optimizer.json``),
+and rank 0 writes the rest: `model/`, the consolidated safetensors export, and the manifest over
+every file. Loading reads whichever layout it finds and hands each rank its slice, so a
+checkpoint resumes on any number of ranks.
 """
 
 from __future__ import annotations
@@ -48,15 +52,41 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _init_optim_state,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 
 GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # this rank's shards, optimizer keyed "state.{name}.{key}"
+SHARDS_DIR = "shards"
+
+
+def _several_ranks() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _shard_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's shards of the model's and the optimizer's tensors, keyed "model.{name}" and
+    "optimizer.{key}", and the optimizer's other values (its hyper-parameters), by key."""
+    weights, state = get_state_dict(model, optimizer, options=FLAT)
+    # a tied weight (lm_head = embed_tokens) is stored once, under the name named_parameters gives it
+    own = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    tensors = {f"model.{k}": v for k, v in weights.items() if k in own}
+    tensors.update({f"optimizer.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+    return tensors, {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -518,13 +548,27 @@ def save_checkpoint(
     final = root / f"step_{int(step):08d}"
     target = _unwrap(model)
     weights = get_model_state_dict(target, options=GATHERED)
-    optimizer_state = get_optimizer_state_dict(target, optimizer, options=GATHERED) if optimizer is not None else None
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return final
+    sharded = _several_ranks() and optimizer is not None
+    optimizer_state = None
+    if optimizer is not None and not sharded:
+        optimizer_state = get_optimizer_state_dict(target, optimizer, options=GATHERED)
     tmp = None
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+        if sharded:  # every rank writes its shards into the same temporary directory
+            tmp = root / f".tmp-{final.name}-ranks"
+            if _is_main():
+                shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
+                tmp.mkdir(parents=True)
+            dist.barrier()
+            tensors, optimizer_state = _shard_tensors(target, optimizer)
+            dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp / SHARDS_DIR), save_distributed=True))
+            if not _is_main():
+                return final
+        else:
+            if not _is_main():
+                return final
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
         _save_state(tmp, "rng", _rng_state(generators))
         _save_state(tmp, "trainer_state", dict(trainer_state))  # first: a bad value fails fast
         if optimizer_state is not None:
@@ -538,10 +582,11 @@ def save_checkpoint(
         _move_into_place(tmp, final)
     except BaseException as err:
         from safetensors import SafetensorError  # how safetensors reports a failed write
+        from torch.distributed.checkpoint.api import CheckpointException  # a rank's failed write
 
-        if tmp is not None:
+        if tmp is not None and _is_main():
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(err, (OSError, SafetensorError)):  # disk full, read-only or vanished directory
+        if isinstance(err, (OSError, SafetensorError, CheckpointException)):  # disk full, read-only or vanished directory
             previous = latest_checkpoint(run_dir)
             raise CheckpointError(
                 f"could not write checkpoint {final}: {err}. Nothing of it was kept; the previous checkpoint"
@@ -586,6 +631,7 @@ def load_checkpoint(
     verify_checkpoint(path, deep=verify)
     # Read and decode everything before touching any object.
     optimizer_state = scheduler_state = None
+    sharded = (path / SHARDS_DIR).is_dir()
     if optimizer is not None:
         if not (path / "optimizer.json").is_file():
             raise CheckpointError(f"checkpoint {path} holds no optimizer state ({path / 'optimizer.json'})")
@@ -603,8 +649,11 @@ def load_checkpoint(
         )
     trainer_state = _load_state(path, "trainer_state")
 
-    _load_weights(model, path / MODEL_DIR)
-    if optimizer_state is not None:
+    if sharded:
+        _load_shards(_unwrap(model), optimizer, optimizer_state, path)
+    else:
+        _load_weights(model, path / MODEL_DIR)
+    if optimizer_state is not None and not sharded:
         try:
             set_optimizer_state_dict(
                 _unwrap(model), optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True)
@@ -617,6 +666,29 @@ def load_checkpoint(
     if restore_rng:
         _restore_global_rng(rng, path / "rng.json")
     return trainer_state
+
+
+def _load_shards(model, optimizer: Optional[torch.optim.Optimizer], hyper: Optional[dict], path: Path) -> None:
+    """Restore weights (and with `optimizer`, its state; `hyper` its non-tensor values) from the
+    per-rank shards of `path`, whatever the number of ranks that wrote them and that read them."""
+    if optimizer is None:
+        own = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        tensors = {f"model.{k}": v for k, v in get_model_state_dict(model).items() if k in own}
+    else:
+        # the optimizer's state tensors must exist, shaped like their parameters, to be read into
+        _init_optim_state(optimizer)
+        tensors, _ = _shard_tensors(model, optimizer)
+    try:
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(path / SHARDS_DIR)))
+    except Exception as err:  # a missing key or a corrupt file, reported by torch.distributed.checkpoint
+        raise CheckpointError(f"the shards in {path / SHARDS_DIR} do not fit the model and optimizer: {err}") from None
+    weights = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    loading = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)  # tied aliases are not stored
+    if optimizer is None:
+        set_model_state_dict(model, weights, options=loading)
+        return
+    state = {**(hyper or {}), **{k[len("optimizer."):]: v for k, v in tensors.items() if k.startswith("optimizer.")}}
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=state, options=loading)
 
 
 def export_model(
