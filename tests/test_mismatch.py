@@ -55,3 +55,11 @@ def test_real_model_report(engine):
     report = run(MismatchConfig(engine=engine, num_prompts=2, n=2, max_new_tokens=16))
     assert 1e-4 < report["diff"]["mean"] < 0.1
     assert report["engine_tokens_per_s"] > 0
+
+
+def test_llamacpp_engine_needs_a_gguf_model_before_anything_loads(tiny_dir, capsys):
+    from deployrl.mismatch import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--model", str(tiny_dir), "--engine", "llamacpp:q4_1"])
+    assert stop.value.code == 2 and "must be a .gguf file" in capsys.readouterr().err

@@ -22,7 +22,7 @@ import torch
 from deployrl.algo.discrepancy import SIGNALS, discrepancy_summary, token_discrepancy
 from deployrl.engines import make_engine, parse_engine_spec
 from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
-from deployrl.models import DTYPES, load_model, load_tokenizer, resolve_model, token_logprobs
+from deployrl.models import DTYPES, ModelSource, load_model, load_tokenizer, resolve_model, token_logprobs
 from deployrl.prompts import encode_prompts
 from deployrl.registry import unknown_name_error
 
@@ -95,6 +95,17 @@ def _finite(value: torch.Tensor) -> Optional[float]:
     return None if math.isnan(number) else number
 
 
+def checked_source(config: MismatchConfig) -> ModelSource:
+    """The model's source, checked against the engine before anything loads."""
+    source = resolve_model(config.model)
+    if parse_engine_spec(config.engine)[0] == "llamacpp" and source.gguf_path is None:
+        raise ValueError(
+            f"--engine {config.engine} writes the model's weights into a GGUF shaped like the model's own, so"
+            f" --model must be a .gguf file or smollm2-135m, got {config.model!r}; or use --engine hf:bf16"
+        )
+    return source
+
+
 def run(config: MismatchConfig) -> dict[str, object]:
     from deployrl.config import default_task
     from deployrl.tasks import load_prompt_file, load_task
@@ -104,7 +115,7 @@ def run(config: MismatchConfig) -> dict[str, object]:
     else:
         prompts = [e.prompt for e in load_task(default_task()).examples]
     prompts = prompts[: config.num_prompts]
-    source = resolve_model(config.model)
+    source = checked_source(config)
     tokenizer = load_tokenizer(source)
     model = load_model(source, config.dtype).eval()
     prompt_ids = encode_prompts(tokenizer, prompts)
@@ -190,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the report as JSON to this path")
     args = parser.parse_args(argv)
     config = MismatchConfig(**{k: v for k, v in vars(args).items()})
+    try:
+        checked_source(config)
+    except (ValueError, FileNotFoundError) as err:  # bad arguments: the message, not a traceback
+        parser.exit(2, f"deployrl mismatch: error: {err}\n")
     torch.manual_seed(config.seed)
     report = run(config)
     print(format_report(report))
