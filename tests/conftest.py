@@ -15,3 +15,19 @@ def tiny_dir(tmp_path_factory):
     from tiny import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def report_to_terminal(request):
+    """A function that prints a line past pytest's output capture, onto the terminal (the fault and
+    fuzz suites report their counts with it)."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+
+    def write(line: str) -> None:
+        if reporter is not None and capture is not None:
+            with capture.global_and_fixture_disabled():
+                reporter.write("\n")
+                reporter.write_sep("-", line)
+
+    return write

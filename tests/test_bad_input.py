@@ -21,17 +21,12 @@ from deployrl.tasks import TaskConfig, TaskDataError, load_task
 
 
 @pytest.fixture(scope="module")
-def tally(request):
+def tally(report_to_terminal):
     """Counts of the module: bad inputs injected, bad inputs caught with a clear message."""
     counts = {"injected": 0, "caught": 0}
     yield counts
     line = f"bad input: {counts['injected']} bad inputs injected, {counts['caught']} caught with a clear message"
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write("\n")
-            reporter.write_sep("-", line)
+    report_to_terminal(line)
 
 
 def caught(tally, error_type, message, action):

@@ -113,18 +113,13 @@ def snapshot(trainer: Trainer) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tally(request):
+def tally(report_to_terminal):
     """Counts of the module: faults injected, faults survived, steps of data lost."""
     counts = {"injected": 0, "survived": 0, "data_lost": 0}
     yield counts
     line = (f"fault injection: {counts['injected']} faults injected, {counts['survived']} survived,"
             f" {counts['data_lost']} steps of data lost")
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():  # past the output capture, onto the terminal
-            reporter.write("\n")
-            reporter.write_sep("-", line)
+    report_to_terminal(line)
     assert counts["data_lost"] == 0, line
 
 

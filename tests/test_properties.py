@@ -237,17 +237,12 @@ RESPAWN_S = 30.0  # a timed-out call's worker is replaced: seconds of imports on
 
 
 @pytest.fixture(scope="module")
-def fuzz_tally(request):
+def fuzz_tally(report_to_terminal):
     counts = {"strings": 0, "graded": 0, "in_range": 0, "raised": 0, "timed_out": 0}
     yield counts
     line = (f"grading fuzz: {counts['strings']} strings, {counts['graded']} gradings, {counts['in_range']} scores"
             f" in [0, 1], {counts['raised']} raised, {counts['timed_out']} stopped at the {LIMIT_S:g} s limit")
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write("\n")
-            reporter.write_sep("-", line)
+    report_to_terminal(line)
 
 
 def check_extraction(text: str) -> None:
