@@ -269,7 +269,8 @@ def grade(texts: list[str], tally: dict) -> None:
         tally["timed_out"] += scores.timeouts
         assert scores.failures == 0, (reward.__name__, scores.errors)
         assert all(math.isfinite(v) and 0 <= v <= 1 for v in scores.values), scores.values
-        assert seconds < 10 + scores.timeouts * (LIMIT_S + RESPAWN_S), (reward.__name__, seconds, scores)
+        # a hang guard, not a speed check: every string could at worst run into the limit and a respawn
+        assert seconds < 60 + len(texts) * (LIMIT_S + RESPAWN_S), (reward.__name__, seconds, scores)
 
 
 @settings(max_examples=300, deadline=None, database=None)
