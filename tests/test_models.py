@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deployrl.algo.logprobs import SamplingView, processed_logits
-from deployrl.models import load_model, resolve_model, token_logprobs
+from deployrl.models import load_model, resolve_model, shares_prompts, token_logprobs
 
 
 def naive_logprobs(model, prompts, completions, mask, view):
@@ -53,6 +53,47 @@ def test_chunked_logprobs_equal_full_logits(arch, view, gen):
             torch.testing.assert_close(got[finite], reference[finite], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_shared_prompt_runs_once_with_the_per_row_values_and_gradients(arch, gen):
+    from tiny import tiny_model
+
+    model = tiny_model(arch)
+    assert shares_prompts(model)
+    prompts = [[1, 5, 6, 7], [1, 9], [1, 5, 6, 7], [1, 9], [1, 5, 6, 7], [1, 3, 3, 3, 3, 4]]
+    completions = torch.randint(3, 40, (6, 9), generator=gen)
+    mask = torch.arange(9)[None] < torch.tensor([9, 4, 1, 0, 7, 5])[:, None]
+    fed = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: fed.append(args[0].shape))
+    got = token_logprobs(model, prompts, completions, mask, chunk_tokens=5).logp
+    hook.remove()
+    assert fed == [torch.Size([3, 6]), torch.Size([6, 8])]  # 3 distinct prompts, then completion[:8] per row
+    got[mask].sum().backward()
+    shared = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    reference = naive_logprobs(model, prompts, completions, mask, SamplingView())
+    reference[mask].sum().backward()
+    torch.testing.assert_close(got[mask], reference[mask], atol=1e-5, rtol=1e-5)
+    for grad, parameter in zip(shared, model.parameters()):
+        torch.testing.assert_close(grad, parameter.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_sliding_window_models_feed_every_row_whole(gen):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert not shares_prompts(model)
+    prompts = [[1, 5, 6, 7, 8, 9], [1, 5, 6, 7, 8, 9], [1, 2]]
+    completions = torch.randint(3, 40, (3, 7), generator=gen)
+    mask = torch.arange(7)[None] < torch.tensor([7, 3, 6])[:, None]
+    with torch.no_grad():
+        got = token_logprobs(model, prompts, completions, mask).logp
+        reference = naive_logprobs(model, prompts, completions, mask, SamplingView())
+    torch.testing.assert_close(got[mask], reference[mask], atol=1e-5, rtol=1e-5)
+
+
 def test_activation_checkpointing_gives_the_same_gradients(tiny_dir, gen):
     prompts = [[1, 5, 6], [1, 7]]
     completions = torch.randint(3, 40, (2, 6), generator=gen)
@@ -60,6 +101,7 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_dir, gen):
     grads = []
     for checkpointing in (False, True):
         model = load_model(resolve_model(str(tiny_dir)), activation_checkpointing=checkpointing).train()
+        assert shares_prompts(model) is not checkpointing  # the fallback: one pass per row
         token_logprobs(model, prompts, completions, mask, chunk_tokens=4).logp.sum().backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1])

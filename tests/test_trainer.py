@@ -138,8 +138,14 @@ def test_config_errors_name_the_key(tmp_path):
         load_config(None, ["algo.ps.xi_min=0.5", "algo.ps.budget=8"])
 
 
-def test_micro_batches_pack_by_length():
-    assert micro_batches([0, 1, 2, 3], [5, 1, 4, 2], token_budget=6) == [[1, 3], [2], [0]]
+def test_micro_batches_pack_by_length_and_count_a_shared_prompt_once():
+    assert micro_batches([0, 1, 2, 3], [0] * 4, [5, 1, 4, 2], token_budget=6) == [[1, 3], [2], [0]]
+    # one prompt of 10 tokens per row: 11 + 12 > 20, every row in its own micro-batch
+    assert micro_batches([0, 1, 2, 3], [10] * 4, [1, 2, 3, 4], token_budget=20) == [[0], [1], [2], [3]]
+    # rows 0-1 and 2-3 share a prompt: 10 + 1 + 2 and 10 + 3 + 4 fit in 20, each group whole
+    assert micro_batches([0, 1, 2, 3], [10] * 4, [1, 2, 3, 4], token_budget=20, groups=[0, 0, 1, 1]) == [[0, 1], [2, 3]]
+    # groups go in order of their longest row, rows by length within a group
+    assert micro_batches([0, 1, 2, 3], [1] * 4, [9, 1, 2, 3], token_budget=100, groups=[0, 0, 1, 1]) == [[2, 3, 1, 0]]
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -65,5 +66,8 @@ def toy_task_file(directory: Path, count: int = 16) -> Path:
     Path(directory).mkdir(parents=True, exist_ok=True)
     path = Path(directory) / "digits.jsonl"
     lines = [json.dumps({"prompt": f"{i % 10}=", "answer": str(i % 10)}) for i in range(count)]
-    path.write_text("\n".join(lines) + "\n")
+    # every rank of a distributed test writes it: atomically, so that no rank reads a torn file
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
     return path

@@ -476,6 +476,11 @@ def _move_into_place(tmp: Path, final: Path) -> None:
 # ----------------------------------------------------------------------------- public API
 
 
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of `step` lives (whether or not it exists)."""
+    return Path(run_dir) / CHECKPOINTS / f"step_{int(step):08d}"
+
+
 def checkpoint_step(path: Path) -> Optional[int]:
     """The step of a `step_XXXXXXXX` directory name, None for any other name."""
     match = STEP_DIR.match(Path(path).name)
@@ -544,8 +549,8 @@ def save_checkpoint(
         raise ValueError(f"keep_last must be at least 1 (or None to keep all), got {keep_last}")
     if not isinstance(trainer_state, Mapping):
         raise TypeError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
-    root = Path(run_dir) / CHECKPOINTS
-    final = root / f"step_{int(step):08d}"
+    final = checkpoint_path(run_dir, step)
+    root = final.parent
     target = _unwrap(model)
     weights = get_model_state_dict(target, options=GATHERED)
     sharded = _several_ranks() and optimizer is not None

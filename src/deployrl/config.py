@@ -166,7 +166,7 @@ class AlgoConfig:
     overlong_buffer: int = 0  # DAPO soft overlong punishment over the last N tokens before max_new_tokens; 0 = off
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
-    micro_batch_tokens: int = 2048  # prompt + kept tokens per forward/backward
+    micro_batch_tokens: int = 2048  # kept tokens + each group's prompt once, per forward/backward
     dc: DCConfig = field(default_factory=DCConfig)
     ps: PSConfig = field(default_factory=PSConfig)
 

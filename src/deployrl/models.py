@@ -236,28 +236,79 @@ def output_head(model) -> torch.Tensor:
     return head.weight
 
 
+def _right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """input ids and attention mask [len(rows), longest], rows left-aligned, zeros after."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        input_ids[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        attention[b, : len(row)] = 1
+    return input_ids, attention
+
+
+def shares_prompts(model) -> bool:
+    """Whether `completion_hidden` runs each distinct prompt once, through a KV cache.
+
+    Not under activation checkpointing (transformers drops the cache of checkpointed layers) nor
+    with sliding-window attention (right-padded prompts would shift the window).
+    """
+    config = model.config
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = any("sliding" in str(t) for t in layer_types) or (
+        not layer_types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    )
+    return not (getattr(model, "is_activation_checkpointing", False) or sliding)
+
+
 def completion_hidden(
     model, prompt_ids: list[list[int]], completion_ids: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """Final hidden states [B, T, D]: row b, column j is the state that predicts completion token j.
 
-    Each row is fed as prompt + completion[:length - 1], right-padded; nothing past a row's
-    last real token is computed (a causal model's prefix states do not depend on the suffix).
+    The K completions of a group share their prompt, so each distinct prompt runs once: a
+    first pass over the distinct prompts fills a KV cache, which is copied to every row that
+    holds that prompt; a second pass runs completion[:length - 1] of every row against it
+    (gradients reach the prompt through the cache). Without `shares_prompts` a single pass runs
+    prompt + completion[:length - 1] per row. Either way nothing past a row's last real token
+    is computed (a causal model's prefix states do not depend on the suffix).
     """
+    from transformers import DynamicCache
+
     lengths = mask.sum(dim=1).tolist()
-    rows = [p + completion_ids[b, : max(n - 1, 0)].tolist() for b, (p, n) in enumerate(zip(prompt_ids, lengths))]
-    width = max(len(r) for r in rows)
     device = next(model.parameters()).device
-    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, row in enumerate(rows):
-        input_ids[b, : len(row)] = torch.tensor(row)
-        attention[b, : len(row)] = 1
     decoder = getattr(model, model.base_model_prefix)
-    hidden = decoder(input_ids=input_ids.to(device), attention_mask=attention.to(device)).last_hidden_state
-    starts = torch.tensor([len(p) - 1 for p in prompt_ids])
-    index = (starts[:, None] + torch.arange(completion_ids.shape[1])[None, :]).clamp(max=width - 1)  # [B, T]
-    return hidden.gather(1, index.to(device)[..., None].expand(-1, -1, hidden.shape[-1]))
+    starts = torch.tensor([len(p) - 1 for p in prompt_ids])  # the state predicting token 0
+    width = completion_ids.shape[1]
+    if not shares_prompts(model):
+        rows = [p + completion_ids[b, : max(n - 1, 0)].tolist() for b, (p, n) in enumerate(zip(prompt_ids, lengths))]
+        input_ids, attention = _right_padded(rows)
+        hidden = decoder(input_ids=input_ids.to(device), attention_mask=attention.to(device)).last_hidden_state
+        index = (starts[:, None] + torch.arange(width)[None, :]).clamp(max=hidden.shape[1] - 1)  # [B, T]
+        return hidden.gather(1, index.to(device)[..., None].expand(-1, -1, hidden.shape[-1]))
+    distinct: dict[tuple[int, ...], int] = {}
+    source = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids])  # row -> prompt
+    prompt_input, prompt_attention = _right_padded([list(p) for p in distinct])
+    cache = DynamicCache(config=decoder.config)
+    prompt_hidden = decoder(
+        input_ids=prompt_input.to(device), attention_mask=prompt_attention.to(device), cache=cache, use_cache=True,
+    ).last_hidden_state
+    first = prompt_hidden[source.to(device), starts.to(device)]  # [B, D]
+    cache.batch_select_indices(source.to(device))
+    # at least one column, so that every rank makes the same decoder calls (FSDP)
+    steps = max(1, max(n - 1 for n in lengths))
+    fed = torch.arange(steps)[None, :] < (torch.tensor(lengths)[:, None] - 1)  # [B, steps]
+    input_ids = torch.where(fed, torch.nn.functional.pad(completion_ids, (0, max(0, steps - width)))[:, :steps], 0)
+    attention = torch.cat([prompt_attention[source], fed.long()], dim=1)
+    positions = starts[:, None] + 1 + torch.arange(steps)[None, :]
+    rest = decoder(
+        input_ids=input_ids.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
+        cache=cache, use_cache=True,
+    ).last_hidden_state  # [B, steps, D]: column j predicts completion token j + 1
+    hidden = torch.cat([first[:, None], rest], dim=1)
+    if hidden.shape[1] < width:
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, width - hidden.shape[1]))
+    return hidden[:, :width]
 
 
 class Scorer(torch.nn.Module):

@@ -68,6 +68,7 @@ from deployrl.algo.prefix import (
     sample_plan,
 )
 from deployrl.checkpoint import (
+    checkpoint_path,
     checkpoint_step,
     export_model,
     latest_checkpoint,
@@ -105,6 +106,7 @@ from deployrl.models import (
     load_tokenizer,
     output_head,
     resolve_model,
+    shares_prompts,
     token_logprobs,
 )
 from deployrl.prompts import encode_prompts
@@ -286,15 +288,31 @@ def select_groups(rollouts: Rollouts, keep: torch.Tensor) -> Rollouts:
     )
 
 
-def micro_batches(rows: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Rows sorted by length and packed greedily into groups of at most `token_budget` tokens."""
-    batches, current, used = [], [], 0
-    for row in sorted(rows, key=lambda r: lengths[r]):
-        if current and used + lengths[row] > token_budget:
+def micro_batches(
+    rows: list[int], prompt_tokens: list[int], completion_tokens: list[int], token_budget: int,
+    groups: Optional[list[int]] = None,
+) -> list[list[int]]:
+    """`rows` packed greedily into micro-batches of at most `token_budget` tokens (a row alone may exceed it).
+
+    A micro-batch costs its rows' completion tokens plus, once per group it holds, the group's
+    prompt tokens: the rows of a group share their prompt (models.completion_hidden). With
+    `groups=None` every row is its own group. Groups go in order of their longest row and rows by
+    length within a group, so that a micro-batch holds whole groups of similar lengths.
+    """
+    group = groups if groups is not None else list(range(len(completion_tokens)))
+    longest: dict[int, int] = {}
+    for row in rows:
+        longest[group[row]] = max(longest.get(group[row], 0), completion_tokens[row])
+    batches, current, held, used = [], [], set(), 0
+    for row in sorted(rows, key=lambda r: (longest[group[r]], group[r], completion_tokens[r])):
+        cost = completion_tokens[row] + (0 if group[row] in held else prompt_tokens[row])
+        if current and used + cost > token_budget:
             batches.append(current)
-            current, used = [], 0
+            current, held, used = [], set(), 0
+            cost = completion_tokens[row] + prompt_tokens[row]
         current.append(row)
-        used += lengths[row]
+        held.add(group[row])
+        used += cost
     if current:
         batches.append(current)
     return batches
@@ -362,8 +380,7 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.order = self._data_order()
         self.resumed_from: Optional[Path] = None
-        # sha256s checked: a corrupt newest checkpoint is skipped for the one before it
-        checkpoint = latest_checkpoint(self.run_dir, deep=True) if resume else None
+        checkpoint = self._resume_checkpoint() if resume else None
         if checkpoint is not None:
             saved = load_checkpoint(
                 checkpoint, self.model, self.optimizer, self.scheduler, {"plan": self.generator}, verify=False
@@ -386,6 +403,16 @@ class Trainer:
         if resume:  # drop what the lost steps logged (all of it when there was no checkpoint)
             self.logger.truncate_after(self.state.step if self.resumed_from is not None else -1)
             self.logger.log_event(self.state.step, "resumed", checkpoint=self.resumed_from)
+
+    def _resume_checkpoint(self) -> Optional[Path]:
+        """The newest checkpoint whose sha256s all match (a corrupt newest one is skipped for the
+        one before it). Rank 0 reads the files and tells the other ranks which step it chose."""
+        found = latest_checkpoint(self.run_dir, deep=True) if self.world.is_main else None
+        if not self.world.distributed:
+            return found
+        mine = (checkpoint_step(found) if found is not None else -1) if self.world.is_main else 0
+        step = int(all_reduce_sum([mine], self.world)[0])  # rank 0's value: the others add 0
+        return None if step < 0 else checkpoint_path(self.run_dir, step)
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """The model's whole weights for the engines: on every rank, or on rank 0 alone when only it
@@ -607,7 +634,10 @@ class Trainer:
             [row] for row in range(len(lengths))
         ]
         costs = [sum(lengths[r] for r in rows) for rows in unit_rows]
-        plans = [micro_batches(share, costs, cfg.algo.micro_batch_tokens)
+        prompt_tokens = [len(batch.prompt_ids[rows[0]]) for rows in unit_rows]
+        groups = [rows[0] // k for rows in unit_rows] if shares_prompts(self.model) else None
+        plans = [micro_batches(share, prompt_tokens, [c - p for c, p in zip(costs, prompt_tokens)],
+                               cfg.algo.micro_batch_tokens, groups)
                  for share in balanced_shares(costs, self.world.size)]
         success = rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)  # [G, K]
         chunk = max(1, cfg.model.chunk_tokens // k)
@@ -730,9 +760,11 @@ class Trainer:
         view = trainer_view(batch.semantics, params)
         token_weights = weights * plan.weights
         cutoffs = plan.cutoffs.tolist()
-        row_tokens = [len(p) + c for p, c in zip(batch.prompt_ids, cutoffs)]
+        prompt_tokens = [len(p) for p in batch.prompt_ids]
+        row_tokens = [p + c for p, c in zip(prompt_tokens, cutoffs)]
+        groups = [r // batch.group_size for r in range(len(cutoffs))] if shares_prompts(self.model) else None
         rows_all = list(range(len(cutoffs)))
-        losses, clip_fracs, grad_norms, graded_tokens = [], [], [], 0
+        losses, clip_fracs, grad_norms, graded_tokens, fed_tokens, calls = [], [], [], 0, 0, 0
         applied, skipped = 0, 0
         self.model.train()
         for _ in range(algo.ppo_epochs):
@@ -748,7 +780,7 @@ class Trainer:
                 active = [r for r in mini if cutoffs[r] > 0]
                 shares = [[active[i] for i in share]
                           for share in balanced_shares([row_tokens[r] for r in active], self.world.size)]
-                plans = [micro_batches(share, row_tokens, algo.micro_batch_tokens) for share in shares]
+                plans = [micro_batches(share, prompt_tokens, cutoffs, algo.micro_batch_tokens, groups) for share in shares]
                 mine = plans[self.world.rank]
                 for call in range(max(len(plan) for plan in plans)):
                     if call >= len(mine):  # this rank has fewer micro-batches than another
@@ -763,6 +795,9 @@ class Trainer:
                         kept, view, cfg.model.chunk_tokens,
                     ).logp.cpu()
                     graded_tokens += int(kept.sum())
+                    prompts_fed = {groups[r] if groups else r: prompt_tokens[r] for r in micro}
+                    fed_tokens += sum(prompts_fed.values()) + sum(cutoffs[r] for r in micro)
+                    calls += 1
                     logp = old.logp[rows].clone()
                     logp[:, :width] = torch.where(kept, graded, logp[:, :width])
                     out = policy_loss(
@@ -797,11 +832,14 @@ class Trainer:
         if applied:
             self.scheduler.step()
         self.model.eval()
+        tokens_graded, tokens_fed, micro_calls = all_reduce_sum([graded_tokens, fed_tokens, calls], self.world)
         return {
             "loss": float(np.mean(losses)) if losses else 0.0,
             "clip_fraction": float(np.mean(clip_fracs)) if clip_fracs else 0.0,
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-            "ps/tokens_graded": all_reduce_sum([graded_tokens], self.world)[0] / algo.ppo_epochs,
+            "ps/tokens_graded": tokens_graded / algo.ppo_epochs,
+            "ps/graded_pass_tokens": tokens_fed / algo.ppo_epochs,  # prompts (once per group and call) + kept
+            "ps/micro_batches": micro_calls / algo.ppo_epochs,
             "ps/tokens_kept": float(plan.keep.sum()),
             "ps/tokens_total": float(batch.mask.sum()),
             "ps/expected_kept": float(plan.expected_tokens),

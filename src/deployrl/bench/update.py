@@ -228,7 +228,7 @@ def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any
     """Build a Trainer for `method`, time and measure one update phase on the synthetic batch."""
     from deployrl.config import TrainConfig
     from deployrl.configio import build
-    from deployrl.trainer import Trainer, micro_batches
+    from deployrl.trainer import Trainer
 
     s = Settings(**settings)
     quiet_transformers()
@@ -252,17 +252,12 @@ def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any
             metrics = trainer.update(rollouts, old, advantages, weights, plan, params)
             end = time.perf_counter()
         trainer.logger.close()
-    # What the graded pass fed: each row with a non-empty prefix runs prompt + prefix tokens.
-    cutoffs = plan.cutoffs.tolist()
-    row_tokens = [len(p) + c for p, c in zip(rollouts.batch.prompt_ids, cutoffs)]
-    active = [r for r, c in enumerate(cutoffs) if c > 0]
     return {
         "method": method, "t_max": t_max, "repeat": repeat, "seconds": end - start, "old_pass_s": after_old - start,
         "plan_s": after_plan - after_old, "graded_s": end - after_plan, "peak_bytes": memory.peak,
         "tokens_graded": metrics["ps/tokens_graded"], "tokens_expected": metrics["ps/expected_kept"],
         "tokens_total": metrics["ps/tokens_total"],
-        "graded_pass_tokens": sum(row_tokens[r] for r in active),
-        "micro_batches": len(micro_batches(active, row_tokens, s.micro_batch_tokens)),
+        "graded_pass_tokens": metrics["ps/graded_pass_tokens"], "micro_batches": metrics["ps/micro_batches"],
         "threads": torch.get_num_threads(), "xi_min": s.xi_min(t_max),
     }
 
