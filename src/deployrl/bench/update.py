@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=4, help="completions per prompt (K)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens of each (random) prompt")
     parser.add_argument(
-        "--micro-batch-tokens", type=int, default=2048, help="prompt + kept tokens per forward/backward, as algo.micro_batch_tokens"
+        "--micro-batch-tokens", type=int, default=2048, help="kept tokens + each group's prompt once, per forward/backward (algo.micro_batch_tokens)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="measurements per (method, T_max); medians are shown")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per measurement; None: torch's default")
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "\nspeed-up: grpo median seconds / method median seconds; memory: method median peak / grpo median peak;"
         " tokens backprop: completion tokens in the loss (median draw); expected backprop: their expectation, sum of xi;"
-        " graded-pass tokens: prompt + prefix tokens fed to the graded forward and backward."
+        " graded-pass tokens: prefix tokens + each group's prompt once per micro-batch, fed to the graded forward and backward."
     )
     for note in draw_notes(results, args.methods, args.t_max):
         print(note)
