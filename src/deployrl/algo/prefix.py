@@ -270,20 +270,26 @@ def group_stats(
             f" {list(success.shape)} must be [K, T, D], [K, T], [K, T] and [K]"
         )
     length = hidden.shape[1]
-    alive = mask.to(torch.float32)
+    real = mask.bool()
     classes = torch.stack([success, ~success]).to(torch.float32)  # [2, K]
     u = torch.full((length,), float("nan"))
     stats = torch.zeros(3, *mask.shape)  # logp, entropy, sum p^2
     with torch.no_grad():
         for start in range(0, length, chunk_size):
-            stop = min(start + chunk_size, length)
-            members = classes[:, :, None] * alive[None, :, start:stop]  # [2, K, C]
-            stats[:, :, start:stop], dist = _group_chunk(
-                hidden[:, start:stop], head_weight, targets[:, start:stop], members, metric, view, with_entropy
+            window = real[:, start : start + chunk_size]  # [K, C]
+            if not window.any():
+                continue
+            counts = classes @ window.to(torch.float32)  # [2, C]: completions of each class alive at t
+            # u = dist(sum_k w_kt p_kt), with w = 1/n_success on successes and -1/n_failure on failures
+            signed = classes[:, :, None] / counts.clamp(min=1)[:, None, :] * window  # [2, K, C]
+            rows, columns = window.nonzero(as_tuple=True)  # only real tokens go through the head
+            positions = start + columns
+            stats[:, rows, positions], dist = _group_chunk(
+                hidden[rows, positions], head_weight, targets[rows, positions],
+                (signed[0] - signed[1])[rows, columns], columns, window.shape[1], metric, view, with_entropy,
             )
-            u[start:stop] = torch.where((members.sum(dim=1) > 0).all(dim=0), dist, torch.nan)
-        stats = torch.where(mask.bool(), stats, 0.0)  # not a product: -inf log-probs stay out of padding
-        norm = hidden.detach().float().norm(dim=-1) * alive
+            u[start : start + chunk_size] = torch.where((counts > 0).all(dim=0), dist, torch.nan)
+        norm = hidden.detach().float().norm(dim=-1) * real
     return GroupStats(
         logp=stats[0], entropy=stats[1] if with_entropy else None, sum_p2=stats[2], hidden_norm=norm,
         uncertainty=_carry_forward(u),
@@ -291,22 +297,21 @@ def group_stats(
 
 
 def _group_chunk(
-    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, members: torch.Tensor, metric: str,
-    view: SamplingView, with_entropy: bool,
+    hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+    columns: torch.Tensor, width: int, metric: str, view: SamplingView, with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of `group_stats`: hidden [K, C, D], targets [K, C], members [2, K, C] ->
-    (logp, entropy or 0, sum p^2) [3, K, C] and the class distance [C]. A function, so that its
-    [K, C, V] temporaries are freed before the next chunk allocates its own."""
-    logp_all = processed_logits(hidden.float() @ head_weight.float().T, view).log_softmax(dim=-1)  # [K, C, V]
-    logp = logp_all.gather(-1, targets[..., None])[..., 0]
-    probs = logp_all.exp()
+    """One chunk of `group_stats` over its N real tokens: hidden [N, D], targets [N], class
+    weights [N] and column in the chunk [N] -> (logp, entropy or 0, sum p^2) [3, N] and the
+    class distance [width]. A function, so that its [N, V] temporaries are freed before the
+    next chunk allocates its own."""
+    logp_all = processed_logits(hidden.float() @ head_weight.float().T, view).log_softmax(dim=-1)  # [N, V]
+    logp = logp_all.gather(-1, targets[:, None])[:, 0]
+    entropy, sum_p2, probs = vocab_stats(logp_all, with_entropy)
     del logp_all
-    entropy, sum_p2 = vocab_stats(probs, with_entropy)
-    means = torch.einsum("jkc,kcv->jcv", members, probs) / members.sum(dim=1).clamp(min=1)[..., None]  # [2, C, V]
-    diff = (means[0] - means[1]).abs_() if metric == "tv" else means[0] - means[1]  # [C, V]
-    dist = 0.5 * diff.sum(-1) if metric == "tv" else torch.linalg.vector_norm(diff, dim=-1)
-    entropy = entropy[..., 0] if with_entropy else torch.zeros_like(logp)
-    return torch.stack([logp, entropy, sum_p2[..., 0]]), dist
+    diff = probs.new_zeros(width, probs.shape[1]).index_add_(0, columns, probs.mul_(weights[:, None]))  # [C, V]
+    dist = 0.5 * diff.abs_().sum(-1) if metric == "tv" else torch.linalg.vector_norm(diff, dim=-1)
+    entropy = entropy[:, 0] if with_entropy else torch.zeros_like(logp)
+    return torch.stack([logp, entropy, sum_p2[:, 0]]), dist
 
 
 def _carry_forward(values: torch.Tensor) -> torch.Tensor:
