@@ -232,7 +232,7 @@ class GroupStats:
     the reward uncertainty u [T]."""
 
     logp: torch.Tensor
-    entropy: Optional[torch.Tensor]  # only when asked for: one more pass over [K, T, V]
+    entropy: Optional[torch.Tensor]  # only when asked for: one more [N, V] tensor per chunk
     sum_p2: torch.Tensor
     hidden_norm: torch.Tensor
     uncertainty: torch.Tensor
