@@ -103,7 +103,7 @@ def vocab_stats(
         probs = logp_all.exp()
         finite = logp_all.clamp_(min=torch.finfo(logp_all.dtype).min)  # 0 * -inf would be nan
         entropy = -torch.linalg.vecdot(probs, finite).unsqueeze(-1)
-    # vector_norm squared, not vecdot(probs, probs): the latter is ~50x slower on CPU
+    # vector_norm squared, not vecdot(probs, probs): the latter measured ~80x slower on CPU
     sum_p2 = torch.linalg.vector_norm(probs, dim=-1, keepdim=True).square()
     return entropy, sum_p2, probs
 
