@@ -255,8 +255,8 @@ def group_stats(
     hidden [K, T, D] final hidden states, head_weight [V, D], targets [K, T] long, mask [K, T],
     success [K] bool. Distributions are softmax(h W^T) processed by `view` (the sampling
     semantics); each class's mean is over its completions alive at t. The per-token statistics
-    and u come from the same [K, chunk_size, V] probabilities, so the optimized cutoff law costs
-    one output-head pass, and no [K, T, V] tensor exists.
+    and u come from the same probabilities of a chunk's real tokens (at most [K * chunk_size, V]),
+    so the optimized cutoff law costs one output-head pass, and no [K, T, V] tensor exists.
     Where one class has no completion alive, u carries the last defined value forward
     (depth beyond the evidence: assume the uncertainty is unchanged); a group with an empty
     class has no evidence at all and gets u = 1 everywhere (no preference between positions).
@@ -273,7 +273,7 @@ def group_stats(
     real = mask.bool()
     classes = torch.stack([success, ~success]).to(torch.float32)  # [2, K]
     u = torch.full((length,), float("nan"))
-    stats = torch.zeros(3, *mask.shape)  # logp, entropy, sum p^2
+    stats = torch.zeros(3, *mask.shape)  # logp, entropy, sum p^2; only real tokens are written, padding stays 0
     with torch.no_grad():
         for start in range(0, length, chunk_size):
             window = real[:, start : start + chunk_size]  # [K, C]
