@@ -178,11 +178,8 @@ class LlamaRuntime:
         Returns the logits [n_outputs, vocab] float32 of the entries with outputs=True, in order.
         A batch longer than n_batch runs as several llama_decode calls.
         """
-        logits = []
-        for start in range(0, len(tokens), self.n_batch):
-            stop = min(start + self.n_batch, len(tokens))
-            logits.append(self._decode_one(tokens[start:stop], positions[start:stop], seqs[start:stop], outputs[start:stop]))
-        return torch.cat(logits) if len(logits) > 1 else logits[0]
+        parts = [slice(start, start + self.n_batch) for start in range(0, len(tokens), self.n_batch)]
+        return torch.cat([self._decode_one(tokens[s], positions[s], seqs[s], outputs[s]) for s in parts])
 
     def _decode_one(self, tokens, positions, seqs, outputs) -> torch.Tensor:
         batch, n = self.batch, len(tokens)
