@@ -248,7 +248,14 @@ def test_export_writes_a_gguf_for_llama_cpp(tmp_path):
         assert tensors["blk.0.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_1
         assert list(tensors["token_embd.weight"].shape) == [64, 49152]
     else:
-        llm = llama_cpp.Llama(str(written["gguf"]), n_ctx=64, verbose=False)
-        assert llm.n_vocab() == 49152 and llm.n_embd() == 64
-        assert llm.tokenize(b"1+2", add_bos=False) == [33, 27, 34]  # SmolLM2 ids of "1", "+", "2"
-        llm.close()
+        from deployrl.engines.llama_runtime import LlamaRuntime
+
+        runtime = LlamaRuntime(written["gguf"], n_ctx=64)
+        assert runtime.n_vocab == 49152 and llama_cpp.llama_model_n_embd(runtime.model) == 64
+        ids = (llama_cpp.llama_token * 8)()
+        vocab = llama_cpp.llama_model_get_vocab(runtime.model)
+        count = llama_cpp.llama_tokenize(vocab, b"1+2", 3, ids, 8, False, False)
+        assert list(ids[:count]) == [33, 27, 34]  # SmolLM2 ids of "1", "+", "2": the tokenizer came along
+        logp = runtime.score([1, 33, 27, 34])
+        assert logp.shape == (3,) and bool(torch.isfinite(logp).all()) and bool((logp <= 0).all())
+        runtime.close()

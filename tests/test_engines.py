@@ -2,9 +2,11 @@ import pytest
 import torch
 
 from deployrl.algo.discrepancy import token_discrepancy
+from deployrl.algo.logprobs import SamplingView, processed_logits
 from deployrl.engines import make_engine, parse_engine_spec
 from deployrl.engines.base import SamplingParams, trainer_view
 from deployrl.engines.hf import HFEngine, quantize_fp8
+from deployrl.engines.sampling import sample_next
 from deployrl.models import ModelSource, token_logprobs
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 20, 21, 22]]
@@ -133,3 +135,22 @@ def test_fp8_scaled_mm_path_agrees_with_dequantised_path(gen):
     reference = linear(x).detach()
     assert (w8a8 - w8a16).abs().max() < 0.1 * reference.abs().max()
     assert (w8a16 - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+@pytest.mark.parametrize("view", [SamplingView(), SamplingView(0.8, 3, 1.0), SamplingView(1.0, 0, 0.7)])
+def test_sampler_draws_the_processed_distribution(view):
+    """Monte Carlo: frequencies match the processed softmax within 5 standard errors; tokens
+    outside its support (and a -inf logit) are never drawn; each generator draws its own block."""
+    logits = torch.tensor([2.0, 1.0, 0.5, float("-inf"), 0.0, -1.0])
+    probs = processed_logits(logits[None], view).softmax(-1)[0].double()
+    draws = 100_000
+    generators = [torch.Generator().manual_seed(s) for s in (0, 1)]
+    draw = sample_next(logits.expand(2 * draws, -1), view, generators)
+    counts = torch.bincount(draw.tokens, minlength=6).double()
+    expected = 2 * draws * probs
+    assert torch.all(counts[probs == 0] == 0)
+    assert torch.all((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt() + 1e-9), (counts, expected)
+    torch.testing.assert_close(draw.logp_processed, probs.log().float()[draw.tokens])
+    torch.testing.assert_close(draw.logp_raw, logits.log_softmax(-1)[draw.tokens])
+    alone = sample_next(logits.expand(draws, -1), view, [torch.Generator().manual_seed(1)])
+    assert torch.equal(alone.tokens, draw.tokens[draws:])

@@ -21,6 +21,7 @@ from deployrl.algo.prefix import STRATEGIES, UNCERTAINTY_METRICS
 from deployrl.configio import ConfigError, apply_overrides, build, load_yaml
 from deployrl.engines import parse_engine_spec
 from deployrl.engines.base import SamplingParams
+from deployrl.engines.llama_runtime import MAX_SEQUENCES
 from deployrl.models import ALIASES, DTYPES
 from deployrl.registry import unknown_name_error
 from deployrl.tasks import TaskConfig
@@ -80,12 +81,18 @@ class RolloutConfig:
     max_retries: int = 2  # a failed, hung or malformed generation is retried this often on a fresh engine
     timeout_s: Optional[float] = None  # seconds one generation call may take before it counts as hung; None: no limit
     engine_ranks: str = "all"  # several ranks: all (each samples its share with its own engine) or main (rank 0 samples all)
+    threads: Optional[int] = None  # llamacpp: decode threads; None = every CPU (beside a busy neighbour 1 is faster: docs/engines.md)
+    parallel: int = 32  # llamacpp: completions decoded together in one batch (1 = one at a time)
 
     def __post_init__(self) -> None:
         parse_engine_spec(self.engine)
         _choice("engine_ranks", self.engine_ranks, ENGINE_RANKS)
         check_positive("prompts_per_step", self.prompts_per_step)
         check_non_negative("max_retries", self.max_retries)
+        if self.threads is not None:
+            check_positive("threads", self.threads)
+        if not 1 <= self.parallel <= MAX_SEQUENCES:
+            raise ValueError(f"parallel must be in [1, {MAX_SEQUENCES}] (llama.cpp's sequence limit), got {self.parallel}")
         if self.timeout_s is not None:
             check_positive("timeout_s", self.timeout_s)
         if self.group_size < 2:

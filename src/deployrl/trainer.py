@@ -440,7 +440,10 @@ class Trainer:
         """
         rollout, cfg = self.config.rollout, self.config.model
         model = self.model if weights is None else load_model(self.source, cfg.dtype, False, cfg.trust_remote_code)
-        engine = make_engine(rollout.engine, model, self.source, self.eos_token_ids(), rollout.context_length)
+        engine = make_engine(
+            rollout.engine, model, self.source, self.eos_token_ids(), rollout.context_length,
+            threads=rollout.threads, parallel=rollout.parallel,
+        )
         if weights is not None:
             engine.sync(weights)
         return engine

@@ -159,16 +159,6 @@ def dequantise(spec: str, target: str) -> dict[str, str]:
     return {"path": target}
 
 
-def match_llama_threads(engine, threads: int) -> None:
-    """Run a llama.cpp engine (which takes every CPU by default) on `threads` threads."""
-    if getattr(engine, "n_threads", threads) == threads:
-        return
-    import llama_cpp
-
-    engine.n_threads = threads  # for the model each weight sync reloads
-    llama_cpp.llama_set_n_threads(engine.llm.ctx, threads, threads)  # for the model loaded now
-
-
 def measure_deployrl(overrides: list[str], steps: int, threads: int | None) -> dict[str, Any]:
     """`steps` steps of deployrl's Trainer; per-step seconds and peak memory."""
     from deployrl.config import load_config
@@ -178,10 +168,9 @@ def measure_deployrl(overrides: list[str], steps: int, threads: int | None) -> d
     with tempfile.TemporaryDirectory(prefix="deployrl-bench-step-") as run_dir:
         config = load_config(None, [
             *overrides, f"steps={steps}", f"output_dir={run_dir}", "tensorboard=false", "eval.num_prompts=0",
-            "log_samples=0",
+            "log_samples=0", f"rollout.threads={threads}",
         ])
         trainer = Trainer(config)
-        match_llama_threads(trainer.engine, threads)
         records, loaded = [], _rss()
         with PeakMemory() as peak:
             for _ in range(steps):

@@ -25,13 +25,13 @@ class EngineKind:
     build: Callable[..., RolloutEngine]
 
 
-def _build_hf(option, model, source, eos_token_ids, context_length):
+def _build_hf(option, model, source, eos_token_ids, context_length, threads, parallel):
     from deployrl.engines.hf import HFEngine
 
     return HFEngine(model, option, eos_token_ids, context_length)
 
 
-def _build_llamacpp(option, model, source: ModelSource, eos_token_ids, context_length):
+def _build_llamacpp(option, model, source: ModelSource, eos_token_ids, context_length, threads, parallel):
     from deployrl.engines.llamacpp import LlamaCppEngine
 
     if source.gguf_path is None:
@@ -40,7 +40,8 @@ def _build_llamacpp(option, model, source: ModelSource, eos_token_ids, context_l
             " GGUF file (tokenizer, metadata): load the model from a .gguf file or the smollm2-135m alias"
         )
     return LlamaCppEngine(
-        model.state_dict(), model.config, source.gguf_path, option, eos_token_ids, n_ctx=context_length or 2048
+        model.state_dict(), model.config, source.gguf_path, option, eos_token_ids, n_ctx=context_length or 2048,
+        threads=threads, parallel=parallel,
     )
 
 
@@ -60,8 +61,17 @@ def parse_engine_spec(spec: str) -> tuple[str, str]:
 
 
 def make_engine(
-    spec: str, model, source: ModelSource, eos_token_ids: list[int], context_length: Optional[int] = None
+    spec: str,
+    model,
+    source: ModelSource,
+    eos_token_ids: list[int],
+    context_length: Optional[int] = None,
+    threads: Optional[int] = None,
+    parallel: int = 32,
 ) -> RolloutEngine:
-    """Build the engine `spec` from the trainer's model (its own copy of the weights)."""
+    """Build the engine `spec` from the trainer's model (its own copy of the weights).
+
+    `threads` (None: every CPU) and `parallel` (completions decoded together) apply to llamacpp;
+    the hf engine decodes all completions together on torch's threads."""
     kind_name, option = parse_engine_spec(spec)
-    return ENGINES.get(kind_name).build(option, model, source, eos_token_ids, context_length)
+    return ENGINES.get(kind_name).build(option, model, source, eos_token_ids, context_length, threads, parallel)

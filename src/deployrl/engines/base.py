@@ -59,6 +59,16 @@ class SamplingParams:
             for i in range(count)
         ]
 
+    def completion_generators(self, count: int) -> list[torch.Generator]:
+        """One generator per completion (row p*n + k) of `count` prompts, seeded by (seed, first_prompt
+        + p, k): a completion's tokens depend neither on the other completions nor on the order in
+        which an engine decodes them, so batched and one-at-a-time decoding draw the same tokens."""
+        return [
+            torch.Generator().manual_seed(((self.seed * 1_000_003 + self.first_prompt + p) * 1_000_033 + k) % 2**63)
+            for p in range(count)
+            for k in range(self.n)
+        ]
+
 
 def trainer_view(semantics: str, params: SamplingParams) -> SamplingView:
     """The distribution the trainer must recompute to match an engine's `logp_inf`."""

@@ -163,12 +163,13 @@ class LlamaRuntime:
         """Empty the KV cache."""
         self._lib.llama_memory_clear(self.memory, True)
 
-    def copy_sequence(self, source: int, target: int) -> None:
-        """Make `target` hold what `source` holds (shared cells, no data copied)."""
-        self._lib.llama_memory_seq_cp(self.memory, source, target, -1, -1)
+    def copy_sequence(self, source: int, target: int, until: int = -1) -> None:
+        """Make `target` hold the positions [0, until) of `source` (all for -1): shared cells, no data copied."""
+        self._lib.llama_memory_seq_cp(self.memory, source, target, 0, until)
 
-    def drop_sequence(self, seq: int) -> None:
-        self._lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+    def drop_sequence(self, seq: int, start: int = 0) -> None:
+        """Forget the positions >= start of sequence `seq` (all of it for 0)."""
+        self._lib.llama_memory_seq_rm(self.memory, seq, start, -1)
 
     def decode(
         self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int], outputs: Sequence[bool]

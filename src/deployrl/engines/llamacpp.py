@@ -5,24 +5,33 @@ Q4_0, Q4_1): the engine a user deploys on a CPU. deployrl's shared sampler draws
 logits, so `logp_inf` is exactly the log-probability of the distribution sampled from.
 
 `sync` re-encodes the trainer's weights into a GGUF of the engine's type (`gguf_io`), then
-reloads llama.cpp. The K completions of a prompt reuse the prompt's KV cache.
+reloads llama.cpp through `LlamaRuntime` (no AMX kernels, see llama_runtime.py).
+
+Generation is batched: each prompt is evaluated once into one sequence of a unified KV cache
+and shared with its other completions (`copy_sequence`, no data copied); then every
+`llama_decode` call advances up to `parallel` completions, of one prompt or several, by one
+token. Each completion draws with its own generator, so the tokens do not depend on which
+completions were decoded together (`parallel=1` decodes one completion at a time).
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
+import math
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
+from typing import Optional
 
-import numpy as np
 import torch
 
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
 from deployrl.engines.gguf_io import FILE_TYPES, write_gguf
+from deployrl.engines.llama_runtime import MAX_SEQUENCES, LlamaRuntime
 from deployrl.engines.sampling import sample_next
 from deployrl.registry import unknown_name_error
+
+CACHE_GRANULE = 256  # KV cells are allocated in multiples of this, so small changes reuse the context
 
 
 class LlamaCppEngine(RolloutEngine):
@@ -36,7 +45,8 @@ class LlamaCppEngine(RolloutEngine):
         file_type: str,
         eos_token_ids: list[int],
         n_ctx: int = 2048,
-        n_threads: int | None = None,
+        threads: Optional[int] = None,
+        parallel: int = 32,
     ) -> None:
         try:
             import llama_cpp  # noqa: F401
@@ -46,16 +56,21 @@ class LlamaCppEngine(RolloutEngine):
             raise unknown_name_error("llamacpp file type", file_type, list(FILE_TYPES))
         if not Path(template).is_file():
             raise FileNotFoundError(f"GGUF template not found: {template}")
+        if not 1 <= parallel <= MAX_SEQUENCES:
+            raise ValueError(f"parallel (completions decoded together) must be in [1, {MAX_SEQUENCES}], got {parallel}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None for every CPU), got {threads}")
         self.name = f"llamacpp:{file_type}"
         self.file_type = file_type
         self.config = config
         self.template = Path(template)
         self.eos_token_ids = list(eos_token_ids)
         self.n_ctx = n_ctx
-        self.n_threads = n_threads or os.cpu_count() or 1
+        self.threads = threads
+        self.parallel = parallel
         self._dir = tempfile.TemporaryDirectory(prefix="deployrl-gguf-")
         self.path = Path(self._dir.name) / f"model.{file_type}.gguf"
-        self.llm = None
+        self.runtime: Optional[LlamaRuntime] = None
         self.sync(state_dict)
 
     @property
@@ -63,54 +78,141 @@ class LlamaCppEngine(RolloutEngine):
         return self.n_ctx
 
     def sync(self, state_dict: dict[str, torch.Tensor]) -> None:
-        from llama_cpp import Llama
-
         start = time.perf_counter()
         write_gguf(state_dict, self.config, self.template, self.path, self.file_type)
-        self.llm = None  # free the old model before loading the new one
-        self.llm = Llama(
-            model_path=str(self.path), n_ctx=self.n_ctx, n_threads=self.n_threads,
-            n_threads_batch=self.n_threads, logits_all=False, verbose=False,
-        )
+        cells = self.runtime.n_ctx if self.runtime is not None else self.n_ctx
+        self._load(cells)
         self.last_sync_s = time.perf_counter() - start
 
-    def _last_logits(self) -> torch.Tensor:
-        import llama_cpp
+    def _load(self, cells: int) -> None:
+        if self.runtime is not None:
+            self.runtime.close()  # free the old model before loading the new one
+        self.runtime = None
+        self.runtime = LlamaRuntime(self.path, n_ctx=cells, n_seq=self.parallel, threads=self.threads)
 
-        pointer = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
-        array = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(self.llm.n_vocab(),))
-        return torch.from_numpy(array.copy())
+    def set_threads(self, threads: int) -> None:
+        """Decode on `threads` threads from now on (this model and the ones later syncs load)."""
+        self.threads = threads
+        self.runtime.set_threads(threads)
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        self.runtime.clear()
+        return self.runtime.score(token_ids)
+
+    def _cache_cells(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        """KV cells that let `parallel` completions run together: the prompts they come from
+        (at most ceil(parallel / K) + 1 of them) once each, plus max_new_tokens per completion."""
+        longest, k, new = max(len(p) for p in prompts), params.n, params.max_new_tokens
+        rows = min(self.parallel, len(prompts) * k)
+        cells = min(len(prompts), math.ceil(rows / k) + 1) * longest + rows * new
+        return max(cells, self.n_ctx)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         self.check_prompts(prompts, params)
         start = time.perf_counter()
-        stop_ids = set(self.eos_token_ids) | set(params.stop_token_ids)
-        view = params.view
-        rows, completions, logps, finish = [], [], [], []
-        for prompt, generator in zip(prompts, params.prompt_generators(len(prompts))):
-            self.llm.reset()
-            self.llm.eval(prompt)
-            prompt_logits = self._last_logits()
-            for _ in range(params.n):
-                self.llm.n_tokens = len(prompt)  # drop the previous completion from the KV cache
-                logits, tokens, values, reason = prompt_logits, [], [], "length"
-                for _ in range(params.max_new_tokens):
-                    draw = sample_next(logits[None], view, [generator])
-                    token = int(draw.tokens[0])
-                    tokens.append(token)
-                    values.append(float(draw.logp_processed[0] if self.semantics == "processed" else draw.logp_raw[0]))
-                    if token in stop_ids:
-                        reason = "stop"
-                        break
-                    if len(tokens) == params.max_new_tokens:
-                        break
-                    self.llm.eval([token])
-                    logits = self._last_logits()
-                rows.append(prompt)
-                completions.append(tokens)
-                logps.append(values)
-                finish.append(reason)
+        cells = self._cache_cells(prompts, params)
+        if cells > self.runtime.n_ctx:
+            self._load(math.ceil(cells / CACHE_GRANULE) * CACHE_GRANULE)
+        completions, logps, finish = self._decode_all(prompts, params)
         elapsed = time.perf_counter() - start
         total = sum(len(c) for c in completions)
         timing = {"generate_s": elapsed, "tokens": float(total), "tokens_per_s": total / max(elapsed, 1e-9)}
+        rows = [prompt for prompt in prompts for _ in range(params.n)]
         return pad_rollouts(rows, completions, logps, finish, self.semantics, params.n, timing)
+
+    def _decode_all(self, prompts: list[list[int]], params: SamplingParams):
+        """Continuous batching over the P*K completions (rows p*K + k).
+
+        A row starts when a sequence and its KV cells are free: in a sequence that already holds
+        its prompt (a finished row of the same prompt, cut back to the prompt), in a copy of the
+        prompt from a running row, or, for a prompt's first row, by evaluating the prompt.
+        """
+        runtime, k, budget = self.runtime, params.n, params.max_new_tokens
+        runtime.clear()
+        stop_ids = set(self.eos_token_ids) | set(params.stop_token_ids)
+        generators = params.completion_generators(len(prompts))
+        completions = [[] for _ in generators]
+        logps = [[] for _ in generators]
+        finish = ["length"] * len(generators)
+        waiting = deque(range(len(generators)))
+        free_seqs = list(range(runtime.n_seq - 1, -1, -1))
+        seq_of: dict[int, int] = {}  # running row -> its sequence
+        logits: dict[int, torch.Tensor] = {}  # running row -> logits of its next token
+        holders: dict[int, set[int]] = {}  # prompt -> sequences holding its cells
+        source: dict[int, int] = {}  # prompt -> one sequence that holds them already (to copy from)
+        idle: dict[int, int] = {}  # prompt -> a sequence holding the prompt only
+        prompt_logits: dict[int, torch.Tensor] = {}
+        cells_used = 0
+
+        while waiting or seq_of:
+            started, to_evaluate = [], []
+            while waiting and len(seq_of) < self.parallel:
+                row = waiting[0]
+                prompt = row // k
+                cells = budget + (0 if prompt in holders else len(prompts[prompt]))
+                if cells_used + cells > runtime.n_ctx or (prompt not in idle and not free_seqs):
+                    break
+                waiting.popleft()
+                cells_used += cells
+                if prompt in idle:
+                    seq = idle.pop(prompt)
+                else:
+                    seq = free_seqs.pop()
+                    if prompt not in holders:
+                        to_evaluate.append((prompt, seq))
+                        holders[prompt] = set()
+                    started.append((prompt, seq))
+                holders[prompt].add(seq)
+                seq_of[row] = seq
+            if to_evaluate:
+                tokens, positions, seqs, outputs = [], [], [], []
+                for prompt, seq in to_evaluate:
+                    ids = prompts[prompt]
+                    tokens += ids
+                    positions += range(len(ids))
+                    seqs += [seq] * len(ids)
+                    outputs += [False] * (len(ids) - 1) + [True]
+                for (prompt, seq), row_logits in zip(to_evaluate, runtime.decode(tokens, positions, seqs, outputs)):
+                    prompt_logits[prompt] = row_logits
+                    source[prompt] = seq
+            for prompt, seq in started:
+                if source[prompt] != seq:
+                    runtime.copy_sequence(source[prompt], seq, until=len(prompts[prompt]))
+            for row in seq_of:
+                if row not in logits:
+                    logits[row] = prompt_logits[row // k]
+
+            rows = list(seq_of)
+            draw = sample_next(torch.stack([logits.pop(r) for r in rows]), params.view, [generators[r] for r in rows])
+            values = draw.logp_processed if self.semantics == "processed" else draw.logp_raw
+            entries = []
+            for row, token, value in zip(rows, draw.tokens.tolist(), values.tolist()):
+                completions[row].append(token)
+                logps[row].append(value)
+                prompt, length = row // k, len(prompts[row // k])
+                if token in stop_ids or len(completions[row]) == budget:
+                    finish[row] = "stop" if token in stop_ids else "length"
+                    seq = seq_of.pop(row)
+                    cells_used -= budget
+                    more_rows = bool(waiting) and waiting[0] // k == prompt
+                    if more_rows and prompt not in idle:
+                        runtime.drop_sequence(seq, start=length)
+                        idle[prompt] = seq
+                        continue
+                    runtime.drop_sequence(seq)
+                    holders[prompt].discard(seq)
+                    free_seqs.append(seq)
+                    if not holders[prompt]:
+                        del holders[prompt], prompt_logits[prompt], source[prompt]
+                        cells_used -= length
+                    elif source[prompt] == seq:
+                        source[prompt] = next(iter(holders[prompt]))
+                else:
+                    entries.append((row, token, length + len(completions[row]) - 1))
+            if entries:
+                new_logits = runtime.decode(
+                    [token for _, token, _ in entries], [pos for _, _, pos in entries],
+                    [seq_of[row] for row, _, _ in entries], [True] * len(entries),
+                )
+                logits.update(zip((row for row, _, _ in entries), new_logits))
+        return completions, logps, finish

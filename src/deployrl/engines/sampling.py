@@ -25,15 +25,20 @@ class Draw:
 def sample_next(logits: torch.Tensor, view: SamplingView, generators: Sequence[torch.Generator]) -> Draw:
     """Draw one token per row of logits [N, V] (any float dtype; computed in float32).
 
-    The rows are len(generators) equal consecutive blocks (a prompt's K completions), each drawn
-    with its own generator.
+    The rows are len(generators) equal consecutive blocks (a prompt's K completions, or one row
+    each), each drawn with its own generator: one uniform u per row, and the token whose interval
+    of the cumulative distribution (float64) holds u. Only tokens of positive probability have a
+    non-empty interval. (torch.multinomial draws the same law but costs ~1 ms per row of 49k.)
     """
     logits = logits.float()
     logp = processed_logits(logits, view).log_softmax(dim=-1)  # [N, V]
-    probs = logp.exp().split(logits.shape[0] // len(generators))
-    tokens = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])  # [N, 1]
+    cdf = logp.double().exp().cumsum(dim=-1)  # [N, V]
+    block = logits.shape[0] // len(generators)
+    u = torch.cat([torch.rand(block, generator=g, dtype=torch.float64) for g in generators])  # [N]
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=logits.shape[-1] - 1)  # [N, 1]
+    raw = logp if view.is_raw else logits.log_softmax(dim=-1)
     return Draw(
         tokens=tokens[:, 0],
         logp_processed=logp.gather(-1, tokens)[:, 0],
-        logp_raw=logits.log_softmax(dim=-1).gather(-1, tokens)[:, 0],
+        logp_raw=raw.gather(-1, tokens)[:, 0],
     )
