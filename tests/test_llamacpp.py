@@ -8,7 +8,9 @@ import torch
 from deployrl.algo.discrepancy import token_discrepancy
 from deployrl.engines import make_engine
 from deployrl.engines.base import SamplingParams, trainer_view
+from deployrl.engines.check import GAP_BOUNDS, KernelMismatch, check_engine, reference_logprobs
 from deployrl.engines.gguf_io import write_gguf
+from deployrl.engines.llama_runtime import LlamaRuntime, extra_buffers_allowed
 from deployrl.engines.llamacpp import LlamaCppEngine
 from deployrl.models import load_model, resolve_model, token_logprobs
 
@@ -112,3 +114,56 @@ def test_real_model_engines_are_ordered(template):
         deltas[file_type] = mean_delta(model, engine.generate(prompts, params), params)
     assert deltas["f16"] < deltas["q8_0"] < deltas["q4_1"], deltas
     assert 1e-4 < deltas["q4_1"] < 0.05, deltas
+
+
+def test_amx_flags_turn_the_extra_buffers_off(model, template, tmp_path):
+    """Fed an AMX CPU's flags, the constructor loads without extra buffers (no AMX or repacked
+    weights), whatever CPU the test runs on."""
+    path = write_gguf(model.state_dict(), model.config, template, tmp_path / "q4_0.gguf", "q4_0")
+    assert extra_buffers_allowed(["avx2", "fma", "avx512f"])
+    assert not extra_buffers_allowed(["avx512f", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"])
+    amx = LlamaRuntime(path, n_ctx=64, flags=["avx512f", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"])
+    assert not amx.use_extra_buffers
+    assert amx.buffer_types and not any("AMX" in b or "REPACK" in b for b in amx.buffer_types), amx.buffer_types
+    logp = amx.score(PROMPTS[0])
+    assert logp.shape == (4,) and bool(torch.isfinite(logp).all())
+    assert LlamaRuntime(path, n_ctx=64, flags=["avx2", "fma"]).use_extra_buffers
+
+
+@pytest.mark.parametrize("file_type", ["f32", "q4_1"])
+def test_kernel_self_check_passes_healthy_and_stops_corrupted_logits(model, template, file_type, monkeypatch):
+    engine = LlamaCppEngine(model.state_dict(), model.config, template, file_type, EOS, n_ctx=256)
+    ids = PROMPTS[0] + PROMPTS[1] + PROMPTS[0]
+    reference = reference_logprobs(model, ids)
+    assert check_engine(engine, reference, ids) < GAP_BOUNDS[engine.name] / 10
+    decode = LlamaRuntime.decode
+
+    def corrupted(self, *args):  # garbage logits, as a broken kernel returns them
+        logits = decode(self, *args)
+        return logits + 3 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+
+    monkeypatch.setattr(LlamaRuntime, "decode", corrupted)
+    with pytest.raises(KernelMismatch, match=rf"engine llamacpp:{file_type} fails its kernel self-check"):
+        check_engine(engine, reference, ids)
+
+
+@pytest.mark.parametrize("file_type", ["f32", "q4_1"])
+def test_batched_decoding_samples_what_one_at_a_time_samples(model, template, file_type):
+    """Continuous batching (several prompts and completions per llama_decode, prompts shared in
+    the KV cache) against one completion at a time: the same law, per-completion seeds. The
+    kernels are not batch-invariant (F16 KV cache, flash attention: docs/engines.md), so the
+    log-probabilities of a token agree to the tolerance of those kernels, not bit for bit."""
+    engine = LlamaCppEngine(model.state_dict(), model.config, template, file_type, EOS, n_ctx=256, parallel=1)
+    params = SamplingParams(n=4, max_new_tokens=12, seed=7)
+    prompts = PROMPTS + [[1, 30, 31, 32, 33, 34, 35]]
+    one = engine.generate(prompts, params)
+    engine.parallel = 5  # rows of different prompts share a batch; a prompt's rows start apart
+    batched = engine.generate(prompts, params)
+    assert batched.prompt_ids == one.prompt_ids and batched.completion_ids.shape[0] == 12
+    same = one.mask & batched.mask & (one.completion_ids == batched.completion_ids)
+    same &= same.long().cumprod(dim=1).bool()  # up to a row's first different token
+    assert same.sum() >= 0.5 * one.mask.sum()
+    # two computations of one model by kernels of the file type's precision: they differ by no more
+    # than that precision lets each differ from the model (measured here: 3e-4 for f32, 6e-3 for q4_1)
+    bound = GAP_BOUNDS[engine.name]
+    torch.testing.assert_close(batched.logp_inf[same], one.logp_inf[same], atol=bound, rtol=0)

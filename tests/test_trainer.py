@@ -197,3 +197,20 @@ def test_old_pass_in_micro_batches_equals_one_pass(tmp_path, tiny_dir):
             if getattr(whole, name) is not None:
                 torch.testing.assert_close(getattr(split, name), getattr(whole, name), atol=1e-5, rtol=1e-5, msg=name)
         assert (whole.grad_norm is None) == ("optimized" not in strategies)
+
+
+def test_kernel_self_check_stops_a_garbage_engine_before_training(tmp_path, tiny_dir, monkeypatch):
+    from deployrl.engines.check import KernelMismatch
+    from deployrl.engines.hf import HFEngine
+
+    healthy = Trainer(toy_config(tmp_path / "a", tiny_dir, "steps=1"))
+    healthy.sync_engine()  # the check after a sync passes too
+    score = HFEngine.score
+
+    def garbage(self, token_ids):  # what a broken kernel returns: log-probabilities of noise
+        logp = score(self, token_ids)
+        return (torch.randn(len(token_ids) - 1, 100, generator=torch.Generator().manual_seed(0)) * 3).log_softmax(-1)[:, 0] + 0 * logp
+
+    monkeypatch.setattr(HFEngine, "score", garbage)
+    with pytest.raises(KernelMismatch, match=r"engine hf:bf16 fails its kernel self-check: .* differ from the trainer's by \d"):
+        Trainer(toy_config(tmp_path / "b", tiny_dir, "steps=1"))

@@ -47,6 +47,7 @@ def evaluate(engine, tokenizer, task, cfg, max_new_tokens: int, seed: int = 0) -
 def main(argv: list[str] | None = None) -> int:
     from deployrl.config import EvalConfig
     from deployrl.engines import make_engine, parse_engine_spec
+    from deployrl.engines.check import verify_engine
     from deployrl.models import load_model, load_tokenizer, resolve_model
     from deployrl.tasks import TaskConfig, load_task
 
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"deployrl eval: error: {err}\n")
     model = load_model(source).eval()
     engine = make_engine(args.engine, model, engine_source, [tokenizer.eos_token_id])
+    verify_engine(engine, model, tokenizer)
     scores = evaluate(engine, tokenizer, task, cfg, args.max_new_tokens, args.seed)
     print(f"{task.name} with {args.model} in {args.engine}: " + ", ".join(
         f"{k} {v:.3f}" if isinstance(v, float) and v < 10 else f"{k} {v:g}" for k, v in scores.items()))

@@ -21,6 +21,7 @@ import torch
 
 from deployrl.algo.discrepancy import SIGNALS, discrepancy_summary, token_discrepancy
 from deployrl.engines import make_engine, parse_engine_spec
+from deployrl.engines.check import verify_engine
 from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
 from deployrl.models import DTYPES, ModelSource, load_model, load_tokenizer, resolve_model, token_logprobs
 from deployrl.prompts import encode_prompts
@@ -124,6 +125,7 @@ def run(config: MismatchConfig) -> dict[str, object]:
     start = time.perf_counter()
     engine = make_engine(config.engine, model, source, eos)
     build_s = time.perf_counter() - start
+    check_gap = verify_engine(engine, model, tokenizer)
     params = config.sampling
     batch = engine.generate(prompt_ids, params)
     start = time.perf_counter()
@@ -140,6 +142,7 @@ def run(config: MismatchConfig) -> dict[str, object]:
         "tokens": int(batch.mask.sum()),
         "stopped": sum(r == "stop" for r in batch.finish_reasons),
         "engine_build_s": build_s,
+        "kernel_check_gap": check_gap,
         "engine_tokens_per_s": batch.timing["tokens_per_s"],
         "trainer_recompute_s": recompute_s,
     }
@@ -169,7 +172,8 @@ def format_report(report: dict[str, object]) -> str:
         "mean |p_old - p_inf| by position: " + ", ".join(f"{k}: {_fmt(v)}" for k, v in report["delta_by_pos"].items()),
         "",
         f"engine: built in {report['engine_build_s']:.1f} s, {report['engine_tokens_per_s']:.1f} tokens/s; "
-        f"trainer recompute {report['trainer_recompute_s']:.1f} s",
+        f"trainer recompute {report['trainer_recompute_s']:.1f} s; kernel self-check mean |logp gap|"
+        f" {report['kernel_check_gap']:.4f} (docs/engines.md)",
     ]
     if report["outside_support"]:
         lines.append(f"warning: {report['outside_support']} tokens outside the trainer's sampling support")

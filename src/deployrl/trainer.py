@@ -90,6 +90,7 @@ from deployrl.distributed import (
     shard,
 )
 from deployrl.engines import make_engine
+from deployrl.engines.check import check_engine, check_ids, reference_logprobs
 from deployrl.engines.base import (
     SEMANTICS,
     RolloutBatch,
@@ -360,6 +361,9 @@ class Trainer:
         self.vocab_size = output_head(self.model).shape[0]
         # which ranks hold a rollout engine (built from the whole model, before it is sharded)
         self.samples = self.world.is_main or config.rollout.engine_ranks == "all"
+        # the kernel self-check's sequence, scored by the model now (before sharding: every rank alone)
+        self.check_ids = check_ids(self.tokenizer, self.vocab_size)
+        self.check_reference = reference_logprobs(self.model, self.check_ids)
         self.engine = self.build_engine() if self.samples else None
         # every use of the weights goes through these calls (what FSDP needs)
         self.scorer = Scorer(self.model)
@@ -422,8 +426,15 @@ class Trainer:
     def sync_engine(self) -> None:
         """Give this rank's engine (if it has one) the model's current weights; every rank calls it."""
         weights = self.engine_weights()
+        self.check_reference = reference_logprobs(self.scorer, self.check_ids)  # a collective when sharded
         if self.engine is not None:
             self.engine.sync(weights)
+            self.check_kernels(self.engine)
+
+    def check_kernels(self, engine) -> None:
+        """The engine's kernel self-check against the model's current weights (KernelMismatch)."""
+        gap = check_engine(engine, self.check_reference, self.check_ids)
+        log.debug("kernel self-check of %s: mean |logp gap| %.4f", engine.name, gap)
 
     def eos_token_ids(self) -> list[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -446,6 +457,7 @@ class Trainer:
         )
         if weights is not None:
             engine.sync(weights)
+        self.check_kernels(engine)
         return engine
 
     def _data_order(self) -> list[int]:

@@ -3,6 +3,7 @@
     deployrl bench update     update-phase time and peak memory per method and completion length
     deployrl bench variance   gradient variance and cosine to the full gradient per cutoff strategy
     deployrl bench step       whole training steps of deployrl (and TRL's GRPOTrainer with --vs trl)
+    deployrl bench engines    llama.cpp tokens/s, one completion at a time against batched decoding
 
 Benchmarks print tables of ratios measured in one run; they are never timed tests.
 """
@@ -16,6 +17,7 @@ COMMANDS = {
     "update": ("deployrl.bench.update", "update-phase wall time and peak memory: full GRPO, DAPO, S-GRPO, PS-PPO"),
     "variance": ("deployrl.bench.variance", "gradient variance and cosine similarity per cutoff strategy and budget"),
     "step": ("deployrl.bench.step", "seconds and peak memory per training step, optionally against TRL"),
+    "engines": ("deployrl.bench.engines", "llama.cpp tokens/s: one completion at a time vs batched, per K and length"),
 }
 
 

@@ -188,6 +188,11 @@ class RolloutEngine(abc.ABC):
     def sync(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load the trainer's weights (HF names), converted to this engine's format."""
 
+    @abc.abstractmethod
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """log p(token_ids[t] | token_ids[:t]) for t >= 1, [len - 1] float32, under the engine's raw
+        softmax: what the kernel self-check (engines/check.py) compares with the trainer."""
+
     @property
     @abc.abstractmethod
     def context_length(self) -> int:

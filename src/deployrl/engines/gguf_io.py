@@ -17,6 +17,7 @@ undoes that on load, so it is redone here (the permutation of llama.cpp's conver
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -64,18 +65,47 @@ def hyperparameters(config, arch: str) -> dict[str, float | int]:
     return {f"{arch}.{k}": v for k, v in values.items() if v is not None}
 
 
-def write_gguf(state_dict: dict[str, torch.Tensor], config, template: Path, out: Path, file_type: str) -> Path:
+@dataclass(frozen=True)
+class GGUFTemplate:
+    """What write_gguf takes from a template GGUF: its metadata (key, value, type, array item type)
+    and its tensors (name, type). Parsing a tokenizer's 49k strings takes seconds, so an engine
+    that writes a GGUF at every weight sync reads its template once."""
+
+    path: Path
+    arch: str
+    fields: tuple[tuple[str, object, object, object], ...]
+    tensors: tuple[tuple[str, object], ...]
+
+    @classmethod
+    def read(cls, path: Path) -> "GGUFTemplate":
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        fields = tuple(
+            (key, field.contents(), field.types[0],
+             field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+            for key, field in reader.fields.items()
+            if not key.startswith("GGUF.") and key != "general.architecture"
+        )
+        tensors = tuple((t.name, t.tensor_type) for t in reader.tensors)
+        return cls(Path(path), reader.fields["general.architecture"].contents(), fields, tensors)
+
+
+def write_gguf(
+    state_dict: dict[str, torch.Tensor], config, template: Path | GGUFTemplate, out: Path, file_type: str
+) -> Path:
     """Write `state_dict` (HF names) as a GGUF of `file_type` shaped like `template`; atomic."""
     import gguf
 
     if file_type not in FILE_TYPES:
         raise unknown_name_error("GGUF file type", file_type, list(FILE_TYPES))
     tensor_type = gguf.GGMLQuantizationType[FILE_TYPES[file_type][0]]
-    reader = gguf.GGUFReader(template)
-    arch = reader.fields["general.architecture"].contents()
+    if not isinstance(template, GGUFTemplate):
+        template = GGUFTemplate.read(template)
+    arch = template.arch
     arch_enum = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch)
     if arch_enum is None:
-        raise ValueError(f"{template}: architecture {arch!r} is unknown to the gguf package")
+        raise ValueError(f"{template.path}: architecture {arch!r} is unknown to the gguf package")
     names = gguf.get_tensor_name_map(arch_enum, config.num_hidden_layers)
     by_gguf_name = {}
     for hf_name, value in state_dict.items():
@@ -87,39 +117,37 @@ def write_gguf(state_dict: dict[str, torch.Tensor], config, template: Path, out:
     writer = gguf.GGUFWriter(tmp, arch)
     overrides = hyperparameters(config, arch)
     overrides["general.file_type"] = int(gguf.LlamaFileType[FILE_TYPES[file_type][1]])
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = field.contents()
+    for key, value, value_type, sub_type in template.fields:
         if key in overrides:
             value = type(value)(overrides[key])
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+        writer.add_key_value(key, value, value_type, sub_type=sub_type)
 
     n_head, n_head_kv = config.num_attention_heads, config.num_key_value_heads
-    template_blocks = sum(1 for t in reader.tensors if t.name.endswith("attn_q.weight"))
+    template_blocks = sum(1 for name, _ in template.tensors if name.endswith("attn_q.weight"))
     if config.num_hidden_layers > template_blocks:
-        raise ValueError(f"{template} has {template_blocks} blocks, fewer than the model's {config.num_hidden_layers}")
-    for tensor in reader.tensors:
-        parts = tensor.name.split(".")
+        raise ValueError(
+            f"{template.path} has {template_blocks} blocks, fewer than the model's {config.num_hidden_layers}"
+        )
+    for name, template_type in template.tensors:
+        parts = name.split(".")
         if parts[0] == "blk" and int(parts[1]) >= config.num_hidden_layers:
             continue  # the template is deeper than the model
-        if tensor.name not in by_gguf_name:
-            raise ValueError(f"{template}: tensor {tensor.name} has no counterpart in the model's weights")
-        hf_name, value = by_gguf_name[tensor.name]
+        if name not in by_gguf_name:
+            raise ValueError(f"{template.path}: tensor {name} has no counterpart in the model's weights")
+        hf_name, value = by_gguf_name[name]
         data = value.detach().to(torch.float32).cpu().numpy()
-        if arch in PERMUTED_ARCHS and tensor.name.endswith("attn_q.weight"):
+        if arch in PERMUTED_ARCHS and name.endswith("attn_q.weight"):
             data = interleave_rotary(data, n_head)
-        elif arch in PERMUTED_ARCHS and tensor.name.endswith("attn_k.weight"):
+        elif arch in PERMUTED_ARCHS and name.endswith("attn_k.weight"):
             data = interleave_rotary(data, n_head_kv)
         if data.ndim == 1:
             qtype = gguf.GGMLQuantizationType.F32
-        elif tensor.name == "token_embd.weight" and file_type not in FLOAT_TYPES:
-            qtype = tensor.tensor_type
+        elif name == "token_embd.weight" and file_type not in FLOAT_TYPES:
+            qtype = template_type
         else:
             qtype = tensor_type
         encoded = gguf.quants.quantize(data, qtype)
-        writer.add_tensor(tensor.name, encoded, raw_dtype=qtype)
+        writer.add_tensor(name, encoded, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

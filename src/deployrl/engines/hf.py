@@ -129,6 +129,12 @@ class HFEngine(RolloutEngine):
             self.model.load_state_dict(state_dict, strict=True)
 
     @torch.no_grad()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([token_ids], device=next(self.model.parameters()).device)
+        logits = self.model(input_ids=ids).logits[0, :-1].float()  # [len - 1, V]: one short sequence
+        return logits.log_softmax(dim=-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
+
+    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         self.check_prompts(prompts, params)
         start = time.perf_counter()

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
-from deployrl.engines.gguf_io import FILE_TYPES, write_gguf
+from deployrl.engines.gguf_io import FILE_TYPES, GGUFTemplate, write_gguf
 from deployrl.engines.llama_runtime import MAX_SEQUENCES, LlamaRuntime
 from deployrl.engines.sampling import sample_next
 from deployrl.registry import unknown_name_error
@@ -63,7 +63,7 @@ class LlamaCppEngine(RolloutEngine):
         self.name = f"llamacpp:{file_type}"
         self.file_type = file_type
         self.config = config
-        self.template = Path(template)
+        self.template = GGUFTemplate.read(Path(template))  # once: parsing its tokenizer takes seconds
         self.eos_token_ids = list(eos_token_ids)
         self.n_ctx = n_ctx
         self.threads = threads
@@ -111,8 +111,8 @@ class LlamaCppEngine(RolloutEngine):
         self.check_prompts(prompts, params)
         start = time.perf_counter()
         cells = self._cache_cells(prompts, params)
-        if cells > self.runtime.n_ctx:
-            self._load(math.ceil(cells / CACHE_GRANULE) * CACHE_GRANULE)
+        if cells > self.runtime.n_ctx or self.parallel > self.runtime.n_seq:  # `parallel` may have been raised
+            self._load(max(math.ceil(cells / CACHE_GRANULE) * CACHE_GRANULE, self.runtime.n_ctx))
         completions, logps, finish = self._decode_all(prompts, params)
         elapsed = time.perf_counter() - start
         total = sum(len(c) for c in completions)

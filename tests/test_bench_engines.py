@@ -1,0 +1,32 @@
+"""`deployrl bench engines` runs both paths on the real model and writes its numbers."""
+
+import json
+
+import pytest
+
+from deployrl.bench.engines import main
+
+
+def test_bad_arguments_are_refused_before_any_model_loads(capsys):
+    for argv, message in [
+        (["--engine", "hf:bf16"], "must be a llamacpp engine"),
+        (["-k", "0,4"], "positive integers"),
+        (["--parallel", "0"], "--parallel must be >= 1"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_both_paths_run_and_the_json_is_written(tmp_path, capsys):
+    out = tmp_path / "engines.json"
+    main(["--prompts", "2", "-k", "1,3", "--tokens", "6", "--repeats", "1", "--parallel", "4", "--threads", "1",
+          "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["threads"] == 1 and [r["k"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert 0 < row["tokens"] <= 2 * row["k"] * 6
+        assert row["sequential_tokens_per_s"] > 0 and row["batched_tokens_per_s"] > 0
+        assert 0 <= row["identical"] <= 1
+    assert "sequential tok/s" in capsys.readouterr().out
