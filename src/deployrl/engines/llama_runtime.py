@@ -106,6 +106,7 @@ class LlamaRuntime:
         if not 1 <= n_seq <= MAX_SEQUENCES:
             raise ValueError(f"n_seq must be in [1, {MAX_SEQUENCES}] (llama.cpp's limit), got {n_seq}")
         self._lib = llama_cpp
+        self._finalizing = sys.is_finalizing  # bound now: at exit the module's globals may be gone
         self.path = Path(path)
         self.flags = cpu_flags() if flags is None else frozenset(flags)
         self.threads = threads or default_threads()
@@ -130,9 +131,11 @@ class LlamaRuntime:
         ctx_params.n_threads = ctx_params.n_threads_batch = self.threads
         ctx_params.kv_unified = True  # one cache: a copied prompt shares its cells with the copies
         ctx_params.no_perf = True
-        self.ctx = llama_cpp.llama_init_from_model(self.model, ctx_params)
+        with _LoadLog() as log:  # what it prints (e.g. a context longer than the model was trained on) is no error
+            self.ctx = llama_cpp.llama_init_from_model(self.model, ctx_params)
         if not self.ctx:
-            raise LlamaError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}")
+            said = "".join(log.lines).strip()[-300:]
+            raise LlamaError(f"llama.cpp could not create a context of {n_ctx} tokens for {self.path}: {said}")
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
         self.n_seq = n_seq
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
@@ -152,7 +155,7 @@ class LlamaRuntime:
             self.model = None
 
     def __del__(self) -> None:
-        if not sys.is_finalizing():  # at exit llama-cpp-python's bindings may already be gone
+        if not self._finalizing():  # at exit llama-cpp-python's bindings may already be gone
             self.close()
 
     def set_threads(self, threads: int) -> None:

@@ -100,8 +100,9 @@ class LlamaCppEngine(RolloutEngine):
         return self.runtime.score(token_ids)
 
     def _cache_cells(self, prompts: list[list[int]], params: SamplingParams) -> int:
-        """KV cells that let `parallel` completions run together: the prompts they come from
-        (at most ceil(parallel / K) + 1 of them) once each, plus max_new_tokens per completion."""
+        """KV cells for `parallel` completions running together: their prompts once each (when
+        completions start in order, ceil(parallel / K) + 1 prompts), plus max_new_tokens per
+        completion. Stragglers of more prompts fit or wait: a row starts only if its cells are free."""
         longest, k, new = max(len(p) for p in prompts), params.n, params.max_new_tokens
         rows = min(self.parallel, len(prompts) * k)
         cells = min(len(prompts), math.ceil(rows / k) + 1) * longest + rows * new
