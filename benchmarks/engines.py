@@ -50,10 +50,11 @@ def main() -> None:
     prompt_ids = encode_prompts(tokenizer, [e.prompt for e in load_task(default_task()).examples[: args.prompts]])
     params = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, seed=0)
     shipped = {k: v.clone() for k, v in model.state_dict().items()}
-    perturbed = {
-        k: v + 0.02 * v.std() * torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) if v.dim() == 2 else v
-        for i, (k, v) in enumerate(shipped.items())
-    }
+    with torch.no_grad():  # by parameter, so a tied embedding and output head move together
+        for i, (_, p) in enumerate(model.named_parameters()):
+            if p.dim() == 2:
+                p.add_(0.02 * p.std() * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    perturbed = {k: v.clone() for k, v in model.state_dict().items()}
 
     print(f"SmolLM2-135M, fp32 trainer, {args.prompts} prompts x {args.n} completions, up to {args.max_new_tokens} tokens, {torch.get_num_threads()} threads")
     header = f"{'engine':<15} {'build s':>8} {'sync s':>7} {'tokens/s':>9} {'|dp| shipped':>13} {'|dp| perturbed':>15}"
