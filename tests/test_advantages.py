@@ -9,6 +9,7 @@ from deployrl.algo.advantages import (
     compute_advantages,
     zero_variance_groups,
 )
+from deployrl.config import AlgoConfig
 
 
 def loop_reference(name, rewards, eps):
@@ -16,11 +17,13 @@ def loop_reference(name, rewards, eps):
     for group in rewards.tolist():
         k = len(group)
         mean = sum(group) / k
-        std = math.sqrt(sum((r - mean) ** 2 for r in group) / k)
+        squares = sum((r - mean) ** 2 for r in group)
         row = []
         for i, r in enumerate(group):
             if name == "grpo":
-                row.append((r - mean) / (std + eps))
+                row.append((r - mean) / (math.sqrt(squares / k) + eps))
+            elif name == "grpo_unbiased_std":
+                row.append((r - mean) / (math.sqrt(squares / (k - 1)) + eps))
             elif name == "dr_grpo":
                 row.append(r - mean)
             else:
@@ -30,7 +33,7 @@ def loop_reference(name, rewards, eps):
     return torch.tensor(out)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("name", ADVANTAGES.names())
 def test_matches_loop_reference(name, gen):
     rewards = torch.randint(0, 3, (5, 6), generator=gen).float()
     rewards[0] = 1.0  # a zero-variance group
@@ -45,6 +48,39 @@ def test_hand_values():
     torch.testing.assert_close(compute_advantages("rloo", rewards), torch.tensor([[-2 / 3, 2 / 3, 2 / 3, -2 / 3]]))
 
 
+def test_default_grpo_divides_by_the_population_std():
+    # K = 2, rewards {0, 1}: population std 1/2, sample std 1/sqrt(2); the factor sqrt(K/(K-1)) is 1.41
+    pair = torch.tensor([[0.0, 1.0]])
+    torch.testing.assert_close(compute_advantages("grpo", pair, eps=0.0), torch.tensor([[-1.0, 1.0]]))
+    half_sqrt2 = math.sqrt(0.5)
+    torch.testing.assert_close(
+        compute_advantages("grpo_unbiased_std", pair, eps=0.0), torch.tensor([[-half_sqrt2, half_sqrt2]])
+    )
+    # K = 8: the two differ by sqrt(8/7) = 1.07
+    rewards = torch.tensor([[0.0, 1, 1, 0, 1, 0, 0, 1]])
+    ratio = compute_advantages("grpo", rewards, eps=0.0) / compute_advantages("grpo_unbiased_std", rewards, eps=0.0)
+    torch.testing.assert_close(ratio, torch.full((1, 8), math.sqrt(8 / 7)))
+    assert AlgoConfig().advantage == "grpo"
+
+
+@pytest.mark.parametrize("name", ADVANTAGES.names())
+def test_all_equal_rewards_give_exactly_zero(name):
+    # Equal rewards that float32 cannot represent exactly: the group mean is ~1e-8 off, which
+    # GRPO would divide by std + eps ~ 1e-6. Flagged groups get exactly 0, the others are kept.
+    rewards = torch.tensor([[0.1] * 7, [0.7] * 7, [1 / 3] * 7, [0.3] * 7, [0.9] * 7, [0.1] * 6 + [0.2]])
+    flagged = zero_variance_groups(rewards)
+    assert flagged.tolist() == [True] * 5 + [False]
+    advantages = compute_advantages(name, rewards)
+    assert torch.equal(advantages[flagged], torch.zeros(5, 7))
+    assert torch.all(advantages[~flagged] != 0)
+
+
+@pytest.mark.parametrize("name", ADVANTAGES.names())
+def test_a_group_of_one_completion_is_an_error(name):
+    with pytest.raises(ValueError, match="at least 2 completions per group, got K=1"):
+        compute_advantages(name, torch.tensor([[0.3], [1.0]]))
+
+
 def test_zero_variance_flags_and_broadcast():
     rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.5, 0.5]])
     assert zero_variance_groups(rewards).tolist() == [True, False, True]
@@ -57,12 +93,11 @@ def test_zero_variance_flags_and_broadcast():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="unknown advantage estimator 'grpoo'.*Did you mean 'grpo'.*dr_grpo, grpo, rloo"):
+    valid = "dr_grpo, grpo, grpo_unbiased_std, rloo"
+    with pytest.raises(ValueError, match=f"unknown advantage estimator 'grpoo'.*Did you mean 'grpo'.*{valid}"):
         compute_advantages("grpoo", torch.zeros(2, 2))
     with pytest.raises(ValueError, match=r"\[G, K\]"):
         compute_advantages("grpo", torch.zeros(4))
-    with pytest.raises(ValueError, match="at least 2"):
-        compute_advantages("rloo", torch.zeros(3, 1))
     with pytest.raises(ValueError, match="6 completions but mask has 4 rows"):
         broadcast_to_tokens(torch.zeros(3, 2), torch.ones(4, 5))
     with pytest.raises(ValueError, match="already registered"):

@@ -46,6 +46,24 @@ def test_trajectory_mean_and_shaping_against_loops(gen):
             assert hinge[i, j].item() == pytest.approx(adv[i, j].item() - 2.0 * excess)
 
 
+@pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
+def test_trajectory_discrepancy_ignores_padding(poison, gen):
+    delta = torch.rand(3, 5, generator=gen)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]]).bool()
+    poisoned = delta.clone()
+    poisoned[~mask] = poison
+    assert torch.equal(trajectory_discrepancy(poisoned, mask), trajectory_discrepancy(delta, mask))
+
+
+def test_tis_and_mask_weights_at_huge_log_ratios():
+    # float32 log-ratios logp_old - logp_inf of +200 (exp overflows) and -200 (exp underflows
+    # below the smallest subnormal, so to exactly 0 on any CPU)
+    logp_old = torch.tensor([[-1.0, -201.0]])
+    logp_inf = torch.tensor([[-201.0, -1.0]])
+    assert torch.equal(correction_weights("tis", logp_old, logp_inf, cap=2.0), torch.tensor([[2.0, 0.0]]))
+    assert torch.equal(correction_weights("mask", logp_old, logp_inf, cap=2.0), torch.zeros(1, 2))
+
+
 def test_dual_controller_rises_falls_to_zero_and_respects_max():
     ctl = DualController(tolerance=0.01, lr=10.0, lam_max=0.5)
     assert ctl.step(0.03) == pytest.approx(0.2)  # 10 * (0.03 - 0.01)

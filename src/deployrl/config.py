@@ -159,7 +159,7 @@ class PSConfig:
 class AlgoConfig:
     """The objective: advantages, clipped surrogate, aggregation, corrections."""
 
-    advantage: str = "grpo"  # grpo, dr_grpo, rloo
+    advantage: str = "grpo"  # grpo (population std), grpo_unbiased_std (sample std: verl, TRL), dr_grpo, rloo
     aggregation: str = "token_mean"  # token_mean, seq_mean_token_mean, seq_mean_token_sum_norm
     eps_low: float = 0.2
     eps_high: float = 0.28  # DAPO clip-higher

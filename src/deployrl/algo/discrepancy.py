@@ -64,10 +64,11 @@ def token_discrepancy(
 
 
 def trajectory_discrepancy(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """D [B]: the mean of delta [B, T] over each completion's real tokens (0 if none)."""
+    """D [B]: the mean of delta [B, T] over each completion's real tokens (0 if none); delta
+    at padding is ignored, whatever it holds (selected away, not multiplied by 0)."""
     check_same_shape(delta=delta, mask=mask)
-    mask_f = mask.to(delta.dtype)
-    return (delta * mask_f).sum(dim=1) / mask_f.sum(dim=1).clamp(min=1)
+    real = mask.bool()
+    return torch.where(real, delta, delta.new_zeros(())).sum(dim=1) / real.sum(dim=1).clamp(min=1)
 
 
 def shape_advantages(
@@ -141,14 +142,19 @@ def no_correction(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) ->
 
 @CORRECTIONS.register("tis")
 def tis_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance weights min(exp(logp_old - logp_inf), cap), [B, T]."""
+    """Truncated importance weights min(exp(logp_old - logp_inf), cap), [B, T].
+
+    No log-ratio bound is needed: an overflow to inf is clamped to `cap`, and the weights carry
+    no gradient, so no 0 * inf can arise in a backward.
+    """
     check_positive("cap", cap)
     return torch.exp(logp_old - logp_inf).clamp(max=cap).detach()
 
 
 @CORRECTIONS.register("mask")
 def mask_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
-    """1 where exp(logp_old - logp_inf) lies in [1/cap, cap], else 0, [B, T]."""
+    """1 where exp(logp_old - logp_inf) lies in [1/cap, cap], else 0, [B, T]; compared in
+    log space (no exponential), a NaN log-ratio gets 0."""
     if not cap > 1:
         raise ValueError(f"the mask band [1/cap, cap] needs cap > 1, got {cap}")
     log_ratio = (logp_old - logp_inf).detach()

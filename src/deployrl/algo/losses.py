@@ -10,9 +10,15 @@
   ``k3`` = exp(-log r) + log r - 1 with log r = logp - logp_ref.
 
 Per-token weights (truncated IS, prefix-sampling 1/xi with zeros on dropped tokens, token
-subsets) multiply each token's loss. The aggregation's denominator is computed from `mask`,
-the real completion tokens, never from the weights: dividing by the number of kept tokens
-would make the prefix-sampled loss a biased estimate of the full one.
+subsets) multiply each token's loss, the KL term included. The aggregation's denominator is
+computed from `mask`, the real completion tokens, never from the weights: dividing by the
+number of kept tokens would make the prefix-sampled loss a biased estimate of the full one.
+
+Padding cannot matter, whatever it holds (NaN, inf, garbage): every masked reduction selects
+real tokens with `torch.where` rather than multiplying by the mask (NaN * 0 is NaN), and
+`policy_loss` replaces its inputs at padding before any arithmetic, so the loss and the
+gradient are those of the real tokens alone. Conventions and how they differ from verl and
+TRL: docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -28,30 +34,43 @@ from deployrl.registry import Registry
 Aggregation = Callable[[torch.Tensor, torch.Tensor, Optional[float], Optional[float]], torch.Tensor]
 AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
 KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("KL estimator")
+# |log rho| is bounded before the exponential (verl's value): exp(20) ~ 4.9e8 is finite in
+# float32 (the log-probs' dtype), so a clipped token's zero gradient never becomes 0 * inf = NaN.
+MAX_LOG_RATIO = 20.0
+
+
+def _real_tokens_only(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """values [B, T] with padding (mask == 0) replaced by 0; selects, so NaN/inf there vanish."""
+    return torch.where(mask.bool(), values, values.new_zeros(()))
 
 
 @AGGREGATIONS.register("token_mean")
 def token_mean(values, mask, max_length=None, denominator=None):
     """sum over tokens / number of real tokens (`denominator` overrides the count)."""
     count = mask.sum() if denominator is None else denominator
-    return (values * mask).sum() / count
+    return _real_tokens_only(values, mask).sum() / count
 
 
 @AGGREGATIONS.register("seq_mean_token_mean")
 def seq_mean_token_mean(values, mask, max_length=None, denominator=None):
-    """Mean over sequences of each sequence's token mean (`denominator`: sequence count)."""
-    per_seq = (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
+    """Mean over sequences of each sequence's token mean (`denominator`: sequence count).
+
+    A row without real tokens counts as a sequence with mean 0 (verl leaves it out): the
+    denominator is the number of rows, fixed by the batch, like every other denominator here.
+    """
+    per_seq = _real_tokens_only(values, mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
     count = mask.shape[0] if denominator is None else denominator
     return per_seq.sum() / count
 
 
 @AGGREGATIONS.register("seq_mean_token_sum_norm")
 def seq_mean_token_sum_norm(values, mask, max_length=None, denominator=None):
-    """sum over tokens / (sequences * max_length): Dr. GRPO's constant denominator."""
+    """sum over tokens / (sequences * max_length): Dr. GRPO's constant denominator (as TRL's
+    `dr_grpo`; verl divides by max_length alone, so its loss grows with the batch)."""
     if max_length is None:
         raise ValueError("seq_mean_token_sum_norm needs max_length (the maximum completion length)")
     count = mask.shape[0] if denominator is None else denominator
-    return (values * mask).sum() / (count * max_length)
+    return _real_tokens_only(values, mask).sum() / (count * max_length)
 
 
 def aggregate(
@@ -63,13 +82,14 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduce per-token values [B, T] to a scalar by the aggregation `mode`.
 
-    `mask` [B, T] marks real completion tokens. `denominator` replaces the token count
-    (token_mean) or the sequence count (the other modes): pass the whole batch's count when
-    a batch is split into micro-batches, so that their losses add up to the batch loss.
+    `mask` [B, T] marks real completion tokens; `values` at padding are ignored, whatever
+    they hold. `denominator` replaces the token count (token_mean) or the sequence count (the
+    other modes): pass the whole batch's count when a batch is split into micro-batches, so
+    that their losses add up to the batch loss.
     """
     fn = AGGREGATIONS.get(mode)
     check_same_shape(values=values, mask=mask)
-    return fn(values, mask.to(values.dtype), max_length, denominator)
+    return fn(values, mask.bool(), max_length, denominator)
 
 
 @KL_ESTIMATORS.register("k1")
@@ -84,6 +104,8 @@ def kl_k2(log_ratio: torch.Tensor) -> torch.Tensor:
 
 @KL_ESTIMATORS.register("k3")
 def kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    # not clamped (verl clamps k3 to [-10, 10]): that would zero the KL gradient of exactly
+    # the tokens that drifted furthest, from log r < -2.6 on
     return torch.expm1(-log_ratio) + log_ratio
 
 
@@ -97,7 +119,7 @@ class LossOutputs:
     """The scalar loss and per-token terms of one policy-loss evaluation."""
 
     loss: torch.Tensor  # []
-    token_loss: torch.Tensor  # [B, T], before weights and aggregation
+    token_loss: torch.Tensor  # [B, T], before weights and aggregation; 0 at padding
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # scalars, no grad
 
 
@@ -111,9 +133,12 @@ def clipped_surrogate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's per-token loss -min(rho*A, clip(rho, 1-eps_low, 1+eps_high)*A), all [B, T].
 
+    rho = exp(clamp(logp - logp_old, -20, 20)), as in verl: beyond |log rho| = 20 the loss
+    no longer depends on logp, and a token whose clipped branch is taken gets an exact zero
+    gradient, finite even where exp(logp - logp_old) would overflow.
     Returns (loss, clipped) where `clipped` marks tokens whose clipped branch was taken.
     """
-    ratio = torch.exp(logp - logp_old)
+    ratio = torch.exp((logp - logp_old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     unclipped = -advantages * ratio
     clipped_loss = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = torch.maximum(unclipped, clipped_loss)
@@ -145,7 +170,9 @@ def policy_loss(
 
     logp [B, T] (with grad), logp_old [B, T], advantages [B, T] (already shaped, e.g. by
     the discrepancy penalty), mask [B, T] real completion tokens, weights [B, T] per-token
-    multipliers (None = 1). The denominator of the aggregation depends on `mask` only.
+    multipliers (None = 1), applied to the KL term too. The denominator of the aggregation
+    depends on `mask` only; the loss, its gradient and the metrics do not depend on any input
+    at padding. `token_loss` is 0 at padding.
     """
     check_same_shape(logp=logp, logp_old=logp_old, advantages=advantages, mask=mask)
     if weights is not None:
@@ -161,20 +188,23 @@ def policy_loss(
         raise ValueError("kl_coef > 0 needs logp_ref, the reference policy's log-probs")
     AGGREGATIONS.get(aggregation)
 
-    mask_f = mask.to(logp.dtype)
+    real = mask.bool()
+    # Selected away before any arithmetic, so that no NaN/inf at padding reaches a product
+    # whose backward would multiply it by a zero gradient.
+    logp, logp_old, advantages = (_real_tokens_only(t, real) for t in (logp, logp_old, advantages))
     surrogate, clipped = clipped_surrogate(logp, logp_old, advantages, eps_low, eps_high, dual_clip)
     token_loss = surrogate
     metrics: dict[str, torch.Tensor] = {}
     if kl_coef > 0:
-        kl = kl_penalty(logp, logp_ref, kl_estimator)
+        kl = kl_penalty(logp, _real_tokens_only(logp_ref, real), kl_estimator)
         token_loss = token_loss + kl_coef * kl
-        metrics["kl_ref"] = token_mean(kl.detach(), mask_f)
-    weighted = token_loss if weights is None else token_loss * weights
-    loss = aggregate(weighted, mask_f, aggregation, max_length, denominator)
+        metrics["kl_ref"] = token_mean(kl.detach(), real)
+    weighted = token_loss if weights is None else token_loss * _real_tokens_only(weights, real)
+    loss = aggregate(weighted, real, aggregation, max_length, denominator)
 
     with torch.no_grad():
-        log_ratio = logp - logp_old
-        metrics["clip_fraction"] = token_mean(clipped.to(logp.dtype), mask_f)
-        metrics["approx_kl_old"] = token_mean(kl_k3(log_ratio), mask_f)
-        metrics["ratio_mean"] = token_mean(log_ratio.exp(), mask_f)
+        log_ratio = (logp - logp_old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # the ratio the loss used
+        metrics["clip_fraction"] = token_mean(clipped.to(logp.dtype), real)
+        metrics["approx_kl_old"] = token_mean(kl_k3(log_ratio), real)
+        metrics["ratio_mean"] = token_mean(log_ratio.exp(), real)
     return LossOutputs(loss=loss, token_loss=token_loss, metrics=metrics)

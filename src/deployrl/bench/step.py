@@ -59,7 +59,8 @@ TRL_LABEL = "TRL GRPOTrainer"
 # deployrl's loss aggregation -> TRL's loss_type with the same normaliser
 TRL_LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean_token_sum_norm": "dr_grpo"}
 # deployrl's advantage estimator -> TRL's reward scaling (TRL has no leave-one-out baseline)
-TRL_REWARD_SCALING = {"grpo": "group", "dr_grpo": "none"}
+# TRL's "group" scaling divides by the sample std (grpo_unbiased_std); grpo's population std differs by sqrt(K/(K-1))
+TRL_REWARD_SCALING = {"grpo": "group", "grpo_unbiased_std": "group", "dr_grpo": "none"}
 TRL_SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
 MB = 2**20
 
