@@ -19,7 +19,7 @@ import torch
 from deployrl.engines import make_engine
 from deployrl.engines.base import SamplingParams, trainer_view
 from deployrl.mismatch import discrepancy_report
-from deployrl.models import load_model, load_tokenizer, resolve_model, token_logprobs
+from deployrl.models import end_token_ids, load_model, load_tokenizer, resolve_model, token_logprobs
 from deployrl.config import default_task
 from deployrl.prompts import encode_prompts
 from deployrl.tasks import load_task
@@ -63,7 +63,7 @@ def main() -> None:
     for spec in args.engines.split(","):
         model.load_state_dict(shipped)
         start = time.perf_counter()
-        engine = make_engine(spec, model, source, [tokenizer.eos_token_id])
+        engine = make_engine(spec, model, source, end_token_ids(tokenizer, model))
         build = time.perf_counter() - start
         delta_shipped, speed = mean_delta(model, engine, prompt_ids, params)
         model.load_state_dict(perturbed)

@@ -146,3 +146,15 @@ def test_chunked_pass_memory_stays_bounded(grad):
     # The full logits would be 1 GiB; the chunked pass holds a few [256, V] chunks at a time.
     assert large["peak_mb"] < 0.2 * large["logits_mb"], large
     assert large["peak_mb"] < 2.5 * small["peak_mb"] + 40, (small, large)
+
+
+def test_end_tokens_merge_the_tokenizer_and_the_generation_config():
+    from types import SimpleNamespace
+
+    from deployrl.models import end_token_ids
+
+    tokenizer = SimpleNamespace(eos_token_id=2)
+    chat_model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 2]))
+    assert end_token_ids(tokenizer, chat_model) == [2, 7]  # train, eval and mismatch all stop on both
+    assert end_token_ids(tokenizer, SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None))) == [2]
+    assert end_token_ids(SimpleNamespace(eos_token_id=None), SimpleNamespace()) == []

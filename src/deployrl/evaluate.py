@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from deployrl.config import EvalConfig
     from deployrl.engines import make_engine, parse_engine_spec
     from deployrl.engines.check import verify_engine
-    from deployrl.models import load_model, load_tokenizer, resolve_model
+    from deployrl.models import end_token_ids, load_model, load_tokenizer, resolve_model
     from deployrl.tasks import TaskConfig, load_task
 
     parser = argparse.ArgumentParser(
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:  # bad input: its message, not a traceback
         parser.exit(2, f"deployrl eval: error: {err}\n")
     model = load_model(source).eval()
-    engine = make_engine(args.engine, model, engine_source, [tokenizer.eos_token_id])
+    engine = make_engine(args.engine, model, engine_source, end_token_ids(tokenizer, model))
     verify_engine(engine, model, tokenizer)
     scores = evaluate(engine, tokenizer, task, cfg, args.max_new_tokens, args.seed)
     print(f"{task.name} with {args.model} in {args.engine}: " + ", ".join(

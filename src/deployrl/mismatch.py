@@ -23,7 +23,7 @@ from deployrl.algo.discrepancy import SIGNALS, discrepancy_summary, token_discre
 from deployrl.engines import make_engine, parse_engine_spec
 from deployrl.engines.check import verify_engine
 from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
-from deployrl.models import DTYPES, ModelSource, load_model, load_tokenizer, resolve_model, token_logprobs
+from deployrl.models import DTYPES, ModelSource, end_token_ids, load_model, load_tokenizer, resolve_model, token_logprobs
 from deployrl.prompts import encode_prompts
 from deployrl.registry import unknown_name_error
 
@@ -120,7 +120,7 @@ def run(config: MismatchConfig) -> dict[str, object]:
     tokenizer = load_tokenizer(source)
     model = load_model(source, config.dtype).eval()
     prompt_ids = encode_prompts(tokenizer, prompts)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    eos = end_token_ids(tokenizer, model)
 
     start = time.perf_counter()
     engine = make_engine(config.engine, model, source, eos)

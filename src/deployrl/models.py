@@ -110,6 +110,16 @@ def load_model(
     return model
 
 
+def end_token_ids(tokenizer, model) -> list[int]:
+    """The tokens that end a completion: the tokenizer's end-of-sequence token and the model's
+    generation_config end tokens (chat models often have several, e.g. <|im_end|> and <|endoftext|>)."""
+    ids = {tokenizer.eos_token_id}
+    generation = getattr(model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    ids |= set(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
 class UnsupportedModelError(ValueError):
     """A model's files exist but cannot be trained here; the message names the file and the fix."""
 

@@ -103,6 +103,7 @@ from deployrl.models import (
     DTYPES,
     Scorer,
     decoder_blocks,
+    end_token_ids,
     load_model,
     load_tokenizer,
     output_head,
@@ -436,13 +437,6 @@ class Trainer:
         gap = check_engine(engine, self.check_reference, self.check_ids)
         log.debug("kernel self-check of %s: mean |logp gap| %.4f", engine.name, gap)
 
-    def eos_token_ids(self) -> list[int]:
-        ids = {self.tokenizer.eos_token_id}
-        generation = getattr(self.model, "generation_config", None)
-        eos = getattr(generation, "eos_token_id", None)
-        ids |= set(eos if isinstance(eos, list) else [eos])
-        return sorted(i for i in ids if i is not None)
-
     def build_engine(self, weights: Optional[dict[str, torch.Tensor]] = None):
         """A new rollout engine holding the model's current weights.
 
@@ -452,7 +446,7 @@ class Trainer:
         rollout, cfg = self.config.rollout, self.config.model
         model = self.model if weights is None else load_model(self.source, cfg.dtype, False, cfg.trust_remote_code)
         engine = make_engine(
-            rollout.engine, model, self.source, self.eos_token_ids(), rollout.context_length,
+            rollout.engine, model, self.source, end_token_ids(self.tokenizer, self.model), rollout.context_length,
             threads=rollout.threads, parallel=rollout.parallel,
         )
         if weights is not None:

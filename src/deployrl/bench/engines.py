@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from deployrl.config import default_task
     from deployrl.engines import make_engine
     from deployrl.engines.base import SamplingParams
-    from deployrl.models import load_model, load_tokenizer, resolve_model
+    from deployrl.models import end_token_ids, load_model, load_tokenizer, resolve_model
     from deployrl.prompts import encode_prompts
     from deployrl.tasks import load_task
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(source)
     model = load_model(source).eval()
     prompts = encode_prompts(tokenizer, [e.prompt for e in load_task(default_task()).examples[: args.prompts]])
-    engine = make_engine(args.engine, model, source, [tokenizer.eos_token_id], threads=args.threads,
+    engine = make_engine(args.engine, model, source, end_token_ids(tokenizer, model), threads=args.threads,
                          parallel=args.parallel)
     threads = engine.runtime.threads
     print(f"{args.engine} on SmolLM2-135M-Instruct, {len(prompts)} prompts of the default task, {threads} threads,"
