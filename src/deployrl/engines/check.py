@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from deployrl.models import token_logprobs
+from deployrl.models import output_head, token_logprobs
 
 CHECK_TEXT = (
     "<|im_start|>user\nWhat is 7 + 5? Answer with a number.<|im_end|>\n<|im_start|>assistant\n"
@@ -66,5 +66,5 @@ def check_engine(engine, reference: torch.Tensor, ids: list[int]) -> float:
 
 def verify_engine(engine, model, tokenizer) -> float:
     """The self-check of an engine built from `model` (evaluation, `mismatch`): its mean gap."""
-    ids = check_ids(tokenizer, model.get_output_embeddings().weight.shape[0])
+    ids = check_ids(tokenizer, output_head(model).shape[0])
     return check_engine(engine, reference_logprobs(model, ids), ids)

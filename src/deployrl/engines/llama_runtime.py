@@ -105,6 +105,8 @@ class LlamaRuntime:
             raise ImportError("llama.cpp needs llama-cpp-python: pip install 'deployrl[llamacpp]'") from err
         if not 1 <= n_seq <= MAX_SEQUENCES:
             raise ValueError(f"n_seq must be in [1, {MAX_SEQUENCES}] (llama.cpp's limit), got {n_seq}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None for every CPU), got {threads}")
         self._lib = llama_cpp
         self._finalizing = sys.is_finalizing  # bound now: at exit the module's globals may be gone
         self.path = Path(path)
@@ -157,10 +159,6 @@ class LlamaRuntime:
     def __del__(self) -> None:
         if not self._finalizing():  # at exit llama-cpp-python's bindings may already be gone
             self.close()
-
-    def set_threads(self, threads: int) -> None:
-        self.threads = threads
-        self._lib.llama_set_n_threads(self.ctx, threads, threads)
 
     def clear(self) -> None:
         """Empty the KV cache."""

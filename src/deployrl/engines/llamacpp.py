@@ -27,7 +27,7 @@ import torch
 
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
 from deployrl.engines.gguf_io import FILE_TYPES, GGUFTemplate, write_gguf
-from deployrl.engines.llama_runtime import MAX_SEQUENCES, LlamaRuntime
+from deployrl.engines.llama_runtime import LlamaRuntime
 from deployrl.engines.sampling import sample_next
 from deployrl.registry import unknown_name_error
 
@@ -56,10 +56,6 @@ class LlamaCppEngine(RolloutEngine):
             raise unknown_name_error("llamacpp file type", file_type, list(FILE_TYPES))
         if not Path(template).is_file():
             raise FileNotFoundError(f"GGUF template not found: {template}")
-        if not 1 <= parallel <= MAX_SEQUENCES:
-            raise ValueError(f"parallel (completions decoded together) must be in [1, {MAX_SEQUENCES}], got {parallel}")
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be >= 1 (or None for every CPU), got {threads}")
         self.name = f"llamacpp:{file_type}"
         self.file_type = file_type
         self.config = config
@@ -90,13 +86,7 @@ class LlamaCppEngine(RolloutEngine):
         self.runtime = None
         self.runtime = LlamaRuntime(self.path, n_ctx=cells, n_seq=self.parallel, threads=self.threads)
 
-    def set_threads(self, threads: int) -> None:
-        """Decode on `threads` threads from now on (this model and the ones later syncs load)."""
-        self.threads = threads
-        self.runtime.set_threads(threads)
-
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        self.runtime.clear()
         return self.runtime.score(token_ids)
 
     def _cache_cells(self, prompts: list[list[int]], params: SamplingParams) -> int:
