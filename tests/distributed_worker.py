@@ -43,7 +43,7 @@ def run(tiny_dir: Path, root: Path, overrides: list[str], resume: bool, fail_ran
         def fail(*_, **__):
             raise RuntimeError(f"injected failure on rank {rank}")
 
-        trainer.update = fail
+        trainer.learner.update = fail
     history = [m for m in trainer.run() if "loss" in m]
     (root / f"rank{rank}.json").write_text(json.dumps({
         "lambda": [m["dc/lambda"] for m in history], "loss": [m["loss"] for m in history],

@@ -17,7 +17,7 @@ from deployrl import trainer as trainer_module
 from deployrl.config import load_config
 from deployrl.configio import ConfigError
 from deployrl.models import UnsupportedModelError, load_model, load_tokenizer, resolve_model
-from deployrl.tasks import TaskConfig, TaskDataError, load_task
+from deployrl.tasks import JsonlTask, ParquetTask, TaskDataError, load_task
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,10 @@ def test_bad_config_values_name_the_key(case, tally):
 YAML_CASES = {
     "syntax error": ("algo:\n  eps_low: 0.2\n  ps: [1, 2\n", r"bad\.yaml:\d+: invalid YAML"),
     "duplicate key": ("steps: 3\nseed: 1\nsteps: 4\n", r"bad\.yaml:3: invalid YAML \(key 'steps' is given twice \(first on line 1\)"),
-    "unknown key in a file": ("algo:\n  eps_hihg: 0.3\n", r"bad\.yaml: unknown key 'algo\.eps_hihg'; did you mean 'algo\.eps_high'"),
+    "unknown key in a file": ("algo:\n  eps_hihg: 0.3\n", r"bad\.yaml:2: unknown key 'algo\.eps_hihg'; did you mean 'algo\.eps_high'"),
+    "wrong type in a file": ("steps: 3\nalgo:\n  ps:\n    budget: lots\n", r"bad\.yaml:4: algo\.ps\.budget must be a number, got 'lots'"),
+    "key of another task type": ("task:\n  type: jsonl\n  path: a.jsonl\n  size: 5\n",
+                                 r"bad\.yaml:4: unknown key 'task\.size'\. Valid keys of a jsonl task: type, .*path"),
     "top level is a list": ("- steps\n", r"bad\.yaml: the top level must be a mapping of sections, got list"),
     "not UTF-8": (b"steps: 3\n# caf\xe9\n", r"bad\.yaml: not UTF-8 text \(byte 0xe9 at offset 14\); save it as UTF-8"),
 }
@@ -166,23 +169,23 @@ def test_bad_datasets_name_the_file_line_and_field(case, tmp_path, tally):
     lines, message = DATA_CASES[case]
     path = write_lines(tmp_path / "bad.jsonl", lines)
     caught(tally, TaskDataError, re.escape(str(path)) + message,
-           lambda: load_task(TaskConfig(type="jsonl", path=str(path))))
+           lambda: load_task(JsonlTask(path=str(path))))
 
 
 def test_missing_dataset_files(tmp_path, tally):
     caught(tally, TaskDataError, r"nope\.jsonl: file not found",
-           lambda: load_task(TaskConfig(type="jsonl", path=str(tmp_path / "nope.jsonl"))))
+           lambda: load_task(JsonlTask(path=str(tmp_path / "nope.jsonl"))))
     (tmp_path / "dir.jsonl").mkdir()
     caught(tally, TaskDataError, r"dir\.jsonl: a directory, not a JSONL file",
-           lambda: load_task(TaskConfig(type="jsonl", path=str(tmp_path / "dir.jsonl"))))
+           lambda: load_task(JsonlTask(path=str(tmp_path / "dir.jsonl"))))
     write_lines(tmp_path / "blank.jsonl", ["", "  "])
     caught(tally, TaskDataError, r"task .*blank\.jsonl: no examples",
-           lambda: load_task(TaskConfig(type="jsonl", path=str(tmp_path / "blank.jsonl"))))
+           lambda: load_task(JsonlTask(path=str(tmp_path / "blank.jsonl"))))
     caught(tally, TaskDataError, r"nope\.parquet: file not found \(task\.path\)",
-           lambda: load_task(TaskConfig(type="parquet", path=str(tmp_path / "nope.parquet"))))
-    caught(tally, ConfigError, r"task: task\.path must be a \.jsonl file",
+           lambda: load_task(ParquetTask(path=str(tmp_path / "nope.parquet"))))
+    caught(tally, ConfigError, r"task: path must be a \.jsonl file",
            lambda: load_config(None, ["task.type=jsonl", "task.path=data.json"]))
-    caught(tally, ConfigError, r"task\.on_bad_example: unknown action 'ignore'\. Valid names: skip, stop",
+    caught(tally, ConfigError, r"task: on_bad_example: unknown action 'ignore'\. Valid names: skip, stop",
            lambda: load_config(None, ["task.on_bad_example=ignore"]))
 
 
@@ -192,8 +195,8 @@ def test_skip_leaves_out_malformed_examples_and_counts_them(tmp_path, tally, cap
         '{"prompt": "", "answer": "1"}', '{"prompt": "3+3?", "answer": "6"}',
     ])
     caught(tally, TaskDataError, r"mixed\.jsonl:2: not valid JSON",  # stop is the default
-           lambda: load_task(TaskConfig(type="jsonl", path=str(path))))
-    task = load_task(TaskConfig(type="jsonl", path=str(path), on_bad_example="skip"))
+           lambda: load_task(JsonlTask(path=str(path))))
+    task = load_task(JsonlTask(path=str(path), on_bad_example="skip"))
     assert task.references == ["2", "6"] and [e.source for e in task] == [f"{path}:1", f"{path}:6"]
     assert [m.split(": ", 1)[0] for m in task.skipped] == [f"{path}:2", f"{path}:3", f"{path}:5"]
     assert "2 examples loaded, 3 malformed example(s) skipped (task.on_bad_example=skip)" in caplog.text
@@ -201,7 +204,7 @@ def test_skip_leaves_out_malformed_examples_and_counts_them(tmp_path, tally, cap
     tally["caught"] += 3
     only_bad = write_lines(tmp_path / "bad.jsonl", ['{"prompt": "x"}'])
     caught(tally, TaskDataError, r"no examples \(1 malformed example\(s\) skipped .*bad\.jsonl:1: field 'answer' is missing",
-           lambda: load_task(TaskConfig(type="jsonl", path=str(only_bad), on_bad_example="skip")))
+           lambda: load_task(JsonlTask(path=str(only_bad), on_bad_example="skip")))
 
 
 def test_a_bad_dataset_fails_before_the_model_loads(tmp_path, tiny_dir, tally, no_weights, monkeypatch):
@@ -327,5 +330,45 @@ def test_the_eval_command_checks_the_engine_before_loading(tally, capsys, no_wei
     with pytest.raises(SystemExit) as info:
         evaluate.main(["--engine", "llamacpp:q5_k"])
     err = capsys.readouterr().err
-    assert info.value.code == 2 and err.startswith("deployrl eval: error: unknown llamacpp engine option 'q5_k'"), err
+    assert info.value.code == 2 and err.startswith("deployrl eval: error: command line: "), err
+    assert "unknown llamacpp engine option 'q5_k'" in err
+    tally["caught"] += 1
+
+
+# --------------------------------------------------------------------------- every command
+
+COMMAND_CASES = {  # argv of `deployrl`, the message: every command parses its settings one way
+    "train": (["train", "rollout.group_sise=4"], r"unknown key 'rollout\.group_sise'; did you mean 'rollout\.group_size'\?"),
+    "eval": (["eval", "num_promts=3"], r"unknown key 'num_promts'; did you mean 'num_prompts'\?"),
+    "eval task": (["eval", "task.type=benchmark", "task.name=gsm8k", "task.splt=test"],
+                  r"unknown key 'task\.splt'\. Valid keys of a benchmark task: "),
+    "eval flag": (["eval", "--num-prompts", "many"], r"num_prompts must be an integer, got 'many'"),
+    "mismatch": (["mismatch", "threshhold=0.1"], r"unknown key 'threshhold'; did you mean 'threshold'\?"),
+    "mismatch flag": (["mismatch", "-n", "0"], r"n \(completions per prompt\) must be >= 1, got 0"),
+    "selfcheck": (["selfcheck", "budgte=3"], r"unknown key 'budgte'; did you mean 'budget'\?"),
+    "bench update": (["bench", "update", "budgte=8"], r"unknown key 'budgte'; did you mean 'budget'\?"),
+    "bench update flag": (["bench", "update", "--methods", "grpo", "ps:optimised"],
+                          r"unknown method 'ps:optimised'\. Did you mean 'ps:optimized'\?"),
+    "bench engines": (["bench", "engines", "parallell=4"], r"unknown key 'parallell'; did you mean 'parallel'\?"),
+    "bench step": (["bench", "step", "rollout.max_new_tokenz=8"],
+                   r"unknown key 'rollout\.max_new_tokenz'; did you mean 'rollout\.max_new_tokens'\?"),
+    "bench step flag": (["bench", "step", "--vs", "tlr"], r"unknown framework to compare with 'tlr'\. Did you mean 'trl'\?"),
+    "bench variance": (["bench", "variance", "algo.ps.budgte=8"], r"unknown key 'algo\.ps\.budgte'; did you mean 'algo\.ps\.budget'\?"),
+}
+
+
+@pytest.mark.parametrize("case", COMMAND_CASES)
+def test_every_command_names_the_bad_key_and_the_nearest_valid_one(case, tally, capsys, no_weights):
+    from deployrl.cli import main
+
+    argv, message = COMMAND_CASES[case]
+    tally["injected"] += 1
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err
+    command = " ".join(["deployrl", *argv[: 2 if argv[0] == "bench" else 1]])
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"{command}: error: command line: ") and re.search(message, err), err
     tally["caught"] += 1

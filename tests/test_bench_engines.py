@@ -11,7 +11,7 @@ def test_bad_arguments_are_refused_before_any_model_loads(capsys):
     for argv, message in [
         (["--engine", "hf:bf16"], "must be a llamacpp engine"),
         (["-k", "0,4"], "positive integers"),
-        (["--parallel", "0"], "--parallel must be >= 1"),
+        (["--parallel", "0"], "parallel must be > 0"),
     ]:
         with pytest.raises(SystemExit):
             main(argv)

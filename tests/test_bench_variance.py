@@ -67,7 +67,7 @@ def test_bench_variance_runs_and_prints_its_tables(tmp_path, tiny_dir, capsys):
         "variance", f"model.name={tiny_dir}", "task.type=jsonl", f"task.path={task_file}",
         "task.reward=tiny:starts_with_digit", "task.instruction=", "rollout.engine=hf:fp32",
         "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
-        "rollout.context_length=64", "task.rg_config={}", "algo.ps.budget=3",
+        "rollout.context_length=64", "algo.ps.budget=3",
         "--budgets", "3", "6", "--groups", "2", "--draws", "64", "--json", str(out),
     ])
     assert code == 0

@@ -12,8 +12,9 @@ import random
 
 import pytest
 
-from deployrl.rewards import last_boxed, math_reward, score_completions
-from deployrl.tasks import BENCHMARKS, TaskConfig, load_task
+from deployrl.reward_sandbox import score_completions
+from deployrl.rewards import last_boxed, math_reward
+from deployrl.tasks import BENCHMARKS, BenchmarkTask, load_task
 
 # References math-verify can only compare as strings (see docs/tasks.md): a derivative
 # equation and a list of subscripted energy symbols.
@@ -32,7 +33,7 @@ def parses_symbolically(completion: str, reference) -> float:
 
 @pytest.fixture(scope="module")
 def references():
-    return {name: load_task(TaskConfig(type="benchmark", name=name)).references for name in BENCHMARKS}
+    return {name: load_task(BenchmarkTask(name=name)).references for name in BENCHMARKS}
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))

@@ -133,5 +133,5 @@ def test_bad_arguments():
         shape_advantages(x, x, x, 1.0, penalty="hinged")
     with pytest.raises(ValueError, match="cap > 1"):
         correction_weights("mask", x, x, cap=0.5)
-    with pytest.raises(ValueError, match="unknown importance correction 'tiss'"):
+    with pytest.raises(ValueError, match="unknown mismatch correction 'tiss'"):
         correction_weights("tiss", x, x)

@@ -150,7 +150,9 @@ def test_sampler_draws_the_processed_distribution(view):
     expected = 2 * draws * probs
     assert torch.all(counts[probs == 0] == 0)
     assert torch.all((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt() + 1e-9), (counts, expected)
-    torch.testing.assert_close(draw.logp_processed, probs.log().float()[draw.tokens])
-    torch.testing.assert_close(draw.logp_raw, logits.log_softmax(-1)[draw.tokens])
+    torch.testing.assert_close(draw.logp, probs.log().float()[draw.tokens])
+    raw = sample_next(logits.expand(2 * draws, -1), view, [torch.Generator().manual_seed(s) for s in (0, 1)], "raw")
+    assert torch.equal(raw.tokens, draw.tokens)
+    torch.testing.assert_close(raw.logp, logits.log_softmax(-1)[draw.tokens])
     alone = sample_next(logits.expand(draws, -1), view, [torch.Generator().manual_seed(1)])
     assert torch.equal(alone.tokens, draw.tokens[draws:])

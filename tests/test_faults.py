@@ -27,13 +27,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployrl import runlog, trainer as trainer_module
+from deployrl import learner as learner_module, rollout as rollout_module, runlog, trainer as trainer_module
 from deployrl.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, load_checkpoint, verify_checkpoint
 from deployrl.config import load_config
 from deployrl.engines.base import MalformedRollouts, RolloutBatch, SamplingParams, check_rollouts, pad_rollouts
-from deployrl.rewards import score_completions
+from deployrl.reward_sandbox import score_completions
 from deployrl.runlog import RunDirectoryError, read_jsonl
-from deployrl.trainer import EngineError, NonFiniteError, RewardFailure, Trainer, TrainingInterrupted
+from deployrl.errors import EngineError, NonFiniteError, RewardFailure, TrainingInterrupted
+from deployrl.trainer import Trainer
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 8
@@ -107,8 +108,8 @@ def same_state(a, b) -> bool:
 
 def snapshot(trainer: Trainer) -> dict:
     return copy.deepcopy({
-        "weights": trainer.model.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-        "scheduler": trainer.scheduler.state_dict(), "dual": trainer.dual.state_dict(),
+        "weights": trainer.model.state_dict(), "optimizer": trainer.learner.optimizer.state_dict(),
+        "scheduler": trainer.learner.scheduler.state_dict(), "dual": trainer.dual.state_dict(),
     })
 
 
@@ -326,7 +327,7 @@ def test_nonfinite_loss_skips_the_update_and_leaves_the_state_untouched(tmp_path
     trainer = toy_trainer(tmp_path, tiny_dir, "algo.correction=dc")
     trainer.step()
     before = snapshot(trainer)
-    real_loss = trainer_module.policy_loss
+    real_loss = learner_module.policy_loss
 
     def nan_loss(*args, **kwargs):
         out = real_loss(*args, **kwargs)
@@ -334,7 +335,7 @@ def test_nonfinite_loss_skips_the_update_and_leaves_the_state_untouched(tmp_path
         return out
 
     with fault(tally):
-        monkeypatch.setattr(trainer_module, "policy_loss", nan_loss)
+        monkeypatch.setattr(learner_module, "policy_loss", nan_loss)
         metrics = trainer.step()
         assert metrics["optim/skipped_updates"] == 1 and metrics["optim/updates"] == 0
         assert same_state(snapshot(trainer), before)  # weights, optimizer, schedule and λ bit for bit
@@ -342,7 +343,7 @@ def test_nonfinite_loss_skips_the_update_and_leaves_the_state_untouched(tmp_path
         assert skip["step"] == 2 and skip["loss"] is None
         assert skip["examples"] and all("digits.jsonl:" in e for e in skip["examples"])
         assert trainer.state.skipped_in_a_row == 1
-    monkeypatch.setattr(trainer_module, "policy_loss", real_loss)
+    monkeypatch.setattr(learner_module, "policy_loss", real_loss)
     metrics = trainer.step()
     assert metrics["optim/updates"] == 1 and trainer.state.skipped_in_a_row == 0
     assert not same_state(snapshot(trainer)["weights"], before["weights"])
@@ -392,9 +393,9 @@ def flaky_engines(monkeypatch, trainer: Trainer, faults: list) -> threading.Even
     """Make every engine of `trainer`, the first and the rebuilt ones, fail its calls as `faults`
     says in turn; returns the event that releases a hung call."""
     release, plan = threading.Event(), iter(faults)
-    trainer.engine = FlakyEngine(trainer.engine, plan, release)
-    build = trainer.build_engine
-    monkeypatch.setattr(trainer, "build_engine", lambda weights=None: FlakyEngine(build(weights), plan, release))
+    trainer.rollout.engine = FlakyEngine(trainer.rollout.engine, plan, release)
+    build = trainer.rollout.build_engine
+    monkeypatch.setattr(trainer.rollout, "build_engine", lambda weights=None: FlakyEngine(build(weights), plan, release))
     return release
 
 
@@ -480,7 +481,7 @@ def test_reward_failures_score_zero_and_the_run_goes_on(tmp_path, tiny_dir, tall
         return 1.0
 
     trainer.task.reward = flaky_reward
-    monkeypatch.setattr(trainer_module, "score_completions", partial(score_completions, timeout_s=0.5))
+    monkeypatch.setattr(rollout_module, "score_completions", partial(score_completions, timeout_s=0.5))
     tally["injected"] += 4  # raises, NaN, not a number, hangs
     metrics = trainer.step()
     # 24 completions: 5 of each kind but the last one

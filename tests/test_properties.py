@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from deployrl.config import TrainConfig, load_config
 from deployrl.configio import ConfigError, build, to_dict
+from deployrl.reward_sandbox import score_completions
 from deployrl.rewards import (
     extract_final_answer,
     format_reward,
@@ -31,9 +32,8 @@ from deployrl.rewards import (
     last_number,
     math_reward,
     reasoning_gym_reward,
-    score_completions,
 )
-from deployrl.tasks import TaskConfig, TaskDataError, load_task
+from deployrl.tasks import JsonlTask, TaskDataError, load_task
 
 FAST = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -190,7 +190,7 @@ def test_jsonl_lines_load_or_name_the_first_bad_line(data_dir, lines, skip):
     path = write(data_dir, lines)
     valid = [n for n, (kind, _) in enumerate(lines, start=1) if kind == "valid"]
     bad = [n for n, (kind, _) in enumerate(lines, start=1) if kind not in ("valid", "blank")]
-    config = TaskConfig(type="jsonl", path=path, on_bad_example="skip" if skip else "stop")
+    config = JsonlTask(path=path, on_bad_example="skip" if skip else "stop")
     if (bad and not skip) or not valid:
         with pytest.raises(TaskDataError) as info:
             load_task(config)
@@ -207,7 +207,7 @@ def test_jsonl_lines_load_or_name_the_first_bad_line(data_dir, lines, skip):
 def test_random_bytes_load_or_raise_task_data_error(data_dir, raw_lines):
     path = write(data_dir, [(None, line) for line in raw_lines])
     try:
-        task = load_task(TaskConfig(type="jsonl", path=path))
+        task = load_task(JsonlTask(path=path))
     except TaskDataError as err:
         assert str(err).startswith((f"{path}:", f"task {path}: no examples")), err
     else:

@@ -5,11 +5,10 @@ import time
 
 import pytest
 
-from deployrl import rewards
+from deployrl import reward_sandbox, rewards
+from deployrl.reward_sandbox import RewardScores, score_completions
 from deployrl.rewards import (
     REWARDS,
-    RewardScores,
-    RewardTimeout,
     extract_final_answer,
     format_reward,
     get_reward,
@@ -17,7 +16,6 @@ from deployrl.rewards import (
     math_reward,
     overlong_penalty,
     reasoning_gym_reward,
-    score_completions,
 )
 
 
@@ -146,7 +144,7 @@ def test_get_reward_names_and_errors():
     with pytest.raises(ValueError, match="module 'deployrl.rewards' has no attribute 'nope'"):
         get_reward("deployrl.rewards:nope")
     with pytest.raises(ValueError, match="not callable"):
-        get_reward("deployrl.rewards:MATH_TIMEOUT_S")
+        get_reward("deployrl.rewards:REWARDS")
     with pytest.raises(ValueError, match="package.module:function"):
         get_reward(":f")
 
@@ -216,7 +214,7 @@ def test_a_reward_that_kills_its_worker_is_a_failure(user_rewards):
 def test_idle_workers_killed_from_outside_are_replaced(user_rewards):
     fn = user_rewards("length_reward")
     assert score_completions(fn, ["a", "b"], [1, 1]).values == [1.0, 1.0]
-    for worker in list(rewards._pool()._idle):
+    for worker in list(reward_sandbox._pool()._idle):
         worker.proc.kill()
         worker.proc.wait()
     scores = score_completions(fn, ["a", "b", "c"], [1, 1, 1])
@@ -258,12 +256,9 @@ def test_score_completions_checks_arguments():
     assert score_completions(format_reward, [], []) == RewardScores(values=[])
 
 
-def test_math_grading_that_hangs_is_stopped(monkeypatch):
+def test_math_grading_that_hangs_is_stopped():
     # sympy needs about 20 s to compare these two polynomials (and forever for some inputs)
     slow = (r"\boxed{(x+1)^{3000}}", "(x+2)^{3000}")
-    monkeypatch.setattr(rewards, "MATH_TIMEOUT_S", 1.0)
-    with pytest.raises(RewardTimeout):
-        math_reward(*slow)
     scores = score_completions(math_reward, [slow[0], r"\boxed{1}"], [slow[1], "1"], timeout_s=1.0)
-    # RewardTimeout and the count show the grading was stopped: finishing it would have scored 0
+    # the timeout count shows the grading was stopped: finishing it would have scored 0
     assert scores.values == [0.0, 1.0] and scores.timeouts == 1 and scores.failures == 0

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 import deployrl
-from deployrl import rewards
 from deployrl.config import ModelConfig, load_config
 from deployrl.configio import ConfigError
 from deployrl.models import UnsupportedModelError, load_model, load_tokenizer, resolve_model
-from deployrl.rewards import RewardTimeout, get_reward, math_reward, score_completions
-from deployrl.tasks import TaskConfig
+from deployrl.reward_sandbox import score_completions
+from deployrl.rewards import get_reward, math_reward
+from deployrl.tasks import JsonlTask
 
 SOURCE = Path(deployrl.__file__).parent
 
@@ -38,7 +38,7 @@ ALLOWED = {
     # through it): the worker receives the function by reference and the (completion, reference)
     # pair, the trainer receives a float or an error string that the worker itself built; no
     # other process can write to the pipe and nothing read from a file or the model is unpickled
-    ".recv": {("rewards.py", "_worker_main"), ("rewards.py", "call")},
+    ".recv": {("reward_sandbox.py", "_worker_main"), ("reward_sandbox.py", "call")},
     # the user's reward, by the module name the user gave; the bench commands, from a fixed table
     "importlib.import_module": {("rewards.py", "get_reward"), ("bench/__init__.py", "main")},
 }
@@ -108,7 +108,7 @@ def test_the_scanner_sees_forbidden_code(tmp_path, monkeypatch):
     found = source_violations(bad)
     assert [v.split(": ", 1)[1] for v in found] == [
         "import pickle", "yaml.load()", "yaml.Loader", "torch.load without weights_only=True", "eval()",
-        "conn.recv() in f (allowed only in [('rewards.py', '_worker_main'), ('rewards.py', 'call')])",
+        "conn.recv() in f (allowed only in [('reward_sandbox.py', '_worker_main'), ('reward_sandbox.py', 'call')])",
         "trust_remote_code=True",
     ]
 
@@ -209,8 +209,8 @@ def test_a_user_reward_is_imported_only_from_the_module_named(tmp_path):
     # a module next to the dataset is not on the import path: it is not found, not imported
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+1?", "answer": "2"}\n')
-    with pytest.raises(ValueError, match=r"task\.reward: reward 'evil_reward:score': cannot import module 'evil_reward'"):
-        TaskConfig(type="jsonl", path=str(data), reward="evil_reward:score")
+    with pytest.raises(ValueError, match=r"reward: reward 'evil_reward:score': cannot import module 'evil_reward'"):
+        JsonlTask(path=str(data), reward="evil_reward:score")
     assert not marker.exists() and "evil_reward" not in sys.modules
 
 
@@ -260,29 +260,25 @@ def test_adversarial_completions_are_graded_within_the_limit_from_a_thread():
     assert out["seconds"] < 30 + scores.timeouts * (timeout + 30), (out["seconds"], scores)
 
 
-def test_a_direct_math_call_from_a_thread_stops_at_its_limit(monkeypatch):
-    monkeypatch.setattr(rewards, "MATH_TIMEOUT_S", 1.0)
+def test_one_math_grading_from_a_thread_stops_at_its_limit():
     out = {}
 
     def grade() -> None:
         start = time.monotonic()
-        try:
-            math_reward(ADVERSARIAL["power tower"], "1")
-        except RewardTimeout as err:
-            out["error"] = err
+        out["scores"] = score_completions(math_reward, [ADVERSARIAL["power tower"]], ["1"], timeout_s=1.0)
         out["seconds"] = time.monotonic() - start
 
     thread = threading.Thread(target=grade)
     thread.start()
     thread.join(120)
-    assert isinstance(out.get("error"), RewardTimeout) and out["seconds"] < 60, out
+    assert out["scores"].timeouts == 1 and out["seconds"] < 60, out
 
 
 def test_math_verify_runs_without_signals_outside_the_main_thread():
     """math-verify's own timeouts use signal.alarm, which fails outside the main thread; they are
-    off (the worker processes enforce the limit), so in-process grading works from any thread."""
+    off (the reward sandbox enforces the limit), so math_reward works from any thread."""
     out = {}
-    thread = threading.Thread(target=lambda: out.update(value=rewards._math_grade(r"\boxed{\frac{1}{2}}", "0.5")))
+    thread = threading.Thread(target=lambda: out.update(value=math_reward(r"\boxed{\frac{1}{2}}", "0.5")))
     thread.start()
     thread.join(120)
     assert out == {"value": 1.0}

@@ -1,13 +1,16 @@
 """End-to-end training on a tiny random model with a character tokenizer."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from deployrl.config import load_config
 from deployrl.configio import ConfigError
-from deployrl.trainer import Trainer, micro_batches
+from deployrl.engines.base import trainer_view
+from deployrl.learner import micro_batches
+from deployrl.trainer import Trainer
 
 
 def toy_config(tmp_path, tiny_dir, *overrides):
@@ -62,7 +65,7 @@ def test_reward_rises_on_a_trivially_learnable_task(variant, tmp_path, tiny_dir)
 def test_dynamic_sampling_drops_and_refills_zero_variance_groups(tmp_path, tiny_dir):
     for mode in ("drop", "refill"):
         trainer = Trainer(toy_config(tmp_path / mode, tiny_dir, f"algo.dynamic_sampling={mode}"))
-        rollouts = trainer.collect()
+        rollouts, _ = collect(trainer)
         assert not bool((rollouts.rewards == rollouts.rewards[:, :1]).all(dim=1).any())
         sampled = len(rollouts.sampled_rewards)
         assert sampled == 4 if mode == "drop" else sampled >= 4
@@ -72,7 +75,7 @@ def test_dynamic_sampling_drops_and_refills_zero_variance_groups(tmp_path, tiny_
 def test_overlong_shaping_lowers_the_reward_of_long_completions(tmp_path, tiny_dir):
     plain = Trainer(toy_config(tmp_path / "a", tiny_dir, "algo.dynamic_sampling=off"))
     shaped = Trainer(toy_config(tmp_path / "b", tiny_dir, "algo.dynamic_sampling=off", "algo.overlong_buffer=4"))
-    a, b = plain.collect(), shaped.collect()  # same seeds: the same completions
+    (a, _), (b, _) = collect(plain), collect(shaped)  # same seeds: the same completions
     assert torch.equal(a.batch.completion_ids, b.batch.completion_ids)
     lengths = a.batch.lengths.reshape(a.rewards.shape).float()
     expected = a.rewards - ((lengths - 2) / 4).clamp(0, 1)  # max_new_tokens 6, buffer 4
@@ -81,14 +84,53 @@ def test_overlong_shaping_lowers_the_reward_of_long_completions(tmp_path, tiny_d
 
 def test_graded_pass_sees_only_the_sampled_prefixes(tmp_path, tiny_dir):
     trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.ps.strategy=uniform", "algo.ps.budget=2"))
-    rollouts = trainer.collect()
-    params = trainer.config.rollout.sampling(seed=0)
-    old = trainer.old_pass(rollouts, params)
-    advantages, weights, _ = trainer.shaped_advantages(rollouts, old)
-    plan = trainer.cutoff_plan(rollouts, old)
-    metrics = trainer.update(rollouts, old, advantages, weights, plan, params)
-    assert metrics["ps/tokens_graded"] == float(plan.cutoffs.sum())
-    assert metrics["ps/tokens_graded"] < 0.8 * metrics["ps/tokens_total"]
+    rollouts, view = collect(trainer)
+    learner = trainer.learner
+    old = learner.old_pass(rollouts, view)
+    advantages, weights = learner.advantages(rollouts, old, torch.zeros_like(old.logp), 0.0, 0.0)
+    plan = learner.plan(rollouts, old)
+    update = learner.update(rollouts, old, advantages, weights, plan, view)
+    assert update.tokens_graded == float(plan.cutoffs.sum())
+    assert update.tokens_graded < 0.8 * float(rollouts.batch.mask.sum())
+
+
+def collect(trainer):
+    """The first step's rollouts of `trainer`, and the distribution its trainer recomputes."""
+    rollouts = trainer.rollout.collect(trainer.stream, trainer.state.step)
+    return rollouts, trainer_view(rollouts.batch.semantics, trainer.config.rollout.sampling(seed=0))
+
+
+@pytest.mark.parametrize("variant", ["dc_optimized", "rloo_mask_kl"])
+def test_update_gradient_does_not_depend_on_micro_batch_packing(variant, tmp_path, tiny_dir):
+    """The gradient of one optimizer update is the same whether its rows go through the model in
+    one call or packed into micro-batches of a few tokens (each group's prompt fed once per call)."""
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, *VARIANTS[variant], "algo.ps.strategy=uniform"))
+    learner = trainer.learner
+    # float64: the packings sum in different orders, and in fp32 that rounding depends on the CPU's kernels
+    trainer.model.double()
+    rollouts, view = collect(trainer)
+    old = learner.old_pass(rollouts, view)
+    advantages, weights = learner.advantages(rollouts, old, torch.zeros_like(old.logp), 0.0, 0.0)
+    plan = learner.plan(rollouts, old)
+    assert 0 < int(plan.cutoffs.sum()) < rollouts.batch.mask.sum()  # a real prefix sample
+    gradients = []
+
+    def record() -> None:  # in place of the optimizer step: the weights stay as they are
+        gradients.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+
+    learner.optimizer.step = record
+    learner.scheduler.step = lambda: None
+    calls = []
+    for budget in (100_000, 24, 8):
+        learner.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=budget))
+        calls.append(learner.update(rollouts, old, advantages, weights, plan, view).micro_batches)
+    assert calls[0] == 1 < calls[1] < calls[2] and len(gradients) == 3
+    for other in gradients[1:]:
+        for name, grad in gradients[0].items():
+            # each token's loss term is computed in float32 (the log-softmax), a few ulps (1.2e-7) off
+            # whichever the packing, and summed in float64: a wrong prompt or denominator is O(1) off
+            atol = 1e-5 * float(grad.abs().max())
+            torch.testing.assert_close(other[name], grad, rtol=0, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_dir):
@@ -183,20 +225,18 @@ def test_eval_command_scores_a_task(tiny_dir, tmp_path, capsys):
 
 
 def test_old_pass_in_micro_batches_equals_one_pass(tmp_path, tiny_dir):
-    from dataclasses import replace
-
     trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.kl_coef=0.1", "algo.micro_batch_tokens=100000"))
-    rollouts = trainer.collect()
-    params = trainer.config.rollout.sampling(seed=0)
-    for strategies in (("heuristic",), ("heuristic", "optimized")):  # micro-batches of rows, of groups
-        trainer.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=100000))
-        whole = trainer.old_pass(rollouts, params, strategies)
-        trainer.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=8))
-        split = trainer.old_pass(rollouts, params, strategies)
+    learner = trainer.learner
+    rollouts, view = collect(trainer)
+    for proxies in (("entropy",), ("entropy", "grad_norm", "uncertainty")):  # micro-batches of rows, of groups
+        learner.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=100000))
+        whole = learner.old_pass(rollouts, view, proxies)
+        learner.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=8))
+        split = learner.old_pass(rollouts, view, proxies)
         for name in ("logp", "logp_ref", "entropy", "grad_norm", "uncertainty"):
             if getattr(whole, name) is not None:
                 torch.testing.assert_close(getattr(split, name), getattr(whole, name), atol=1e-5, rtol=1e-5, msg=name)
-        assert (whole.grad_norm is None) == ("optimized" not in strategies)
+        assert (whole.grad_norm is None) == ("grad_norm" not in proxies)
 
 
 def test_kernel_self_check_stops_a_garbage_engine_before_training(tmp_path, tiny_dir, monkeypatch):

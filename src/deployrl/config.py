@@ -15,18 +15,17 @@ from typing import Optional
 
 from deployrl.algo._checks import check_non_negative, check_positive
 from deployrl.algo.advantages import ADVANTAGES
-from deployrl.algo.discrepancy import CORRECTIONS, PENALTIES, SIGNALS
-from deployrl.algo.losses import AGGREGATIONS, KL_ESTIMATORS
+from deployrl.algo.discrepancy import CORRECTIONS, PENALTIES, SIGNALS, check_dual_settings
+from deployrl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, check_loss_settings
 from deployrl.algo.prefix import STRATEGIES, UNCERTAINTY_METRICS
-from deployrl.configio import ConfigError, apply_overrides, build, load_yaml
+from deployrl.configio import Override, load
 from deployrl.engines import parse_engine_spec
 from deployrl.engines.base import SamplingParams
 from deployrl.engines.llama_runtime import MAX_SEQUENCES
 from deployrl.models import ALIASES, DTYPES
 from deployrl.registry import unknown_name_error
-from deployrl.tasks import TaskConfig
+from deployrl.tasks import ReasoningGymTask, TaskConfig
 
-CORRECTION_CHOICES = (*CORRECTIONS.names(), "dc")
 # The embedded default's task: one-digit additions and subtractions, which SmolLM2-135M answers
 # correctly about a fifth of the time at temperature 1 (its last number, without the tags).
 EASY_ARITHMETIC = {
@@ -35,10 +34,9 @@ EASY_ARITHMETIC = {
 }
 
 
-def default_task() -> TaskConfig:
-    return TaskConfig(
-        type="reasoning_gym", name="basic_arithmetic", rg_config=dict(EASY_ARITHMETIC), size=2000,
-        instruction="Answer with only the final number.",
+def default_task() -> ReasoningGymTask:
+    return ReasoningGymTask(
+        name="basic_arithmetic", rg_config=dict(EASY_ARITHMETIC), size=2000, instruction="Answer with only the final number."
     )
 SCHEDULES = ("constant", "cosine")
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
@@ -129,13 +127,10 @@ class DCConfig:
     def __post_init__(self) -> None:
         _choice("discrepancy signal", self.signal, SIGNALS.names())
         _choice("discrepancy penalty", self.penalty, PENALTIES)
-        if self.tolerance is not None:
-            check_non_negative("tolerance", self.tolerance)
         check_positive("relative_tolerance", self.relative_tolerance)
-        check_positive("lr", self.lr)
-        check_positive("lam_max", self.lam_max)
-        if not 0 <= self.lam_init <= self.lam_max:
-            raise ValueError(f"lam_init must lie in [0, lam_max={self.lam_max}], got {self.lam_init}")
+        # the dual controller's own bounds (None: a tolerance measured later, >= 0 by construction)
+        check_dual_settings(0.0 if self.tolerance is None else self.tolerance, self.lr, self.lam_max, self.lam_init,
+                            lam_name="lam_init")
 
 
 @dataclass(frozen=True)
@@ -181,14 +176,9 @@ class AlgoConfig:
         _choice("advantage estimator", self.advantage, ADVANTAGES.names())
         _choice("loss aggregation", self.aggregation, AGGREGATIONS.names())
         _choice("KL estimator", self.kl_estimator, KL_ESTIMATORS.names())
-        _choice("mismatch correction", self.correction, CORRECTION_CHOICES)
+        _choice("mismatch correction", self.correction, CORRECTIONS.names())
         _choice("dynamic sampling mode", self.dynamic_sampling, DYNAMIC_SAMPLING)
-        if not 0 <= self.eps_low < 1:
-            raise ValueError(f"eps_low must lie in [0, 1) (the ratio is clipped below at 1 - eps_low), got {self.eps_low}")
-        check_non_negative("eps_high", self.eps_high)
-        if self.dual_clip is not None and not self.dual_clip > 1:
-            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
-        check_non_negative("kl_coef", self.kl_coef)
+        check_loss_settings(self.eps_low, self.eps_high, self.dual_clip, self.kl_coef)  # the loss's own bounds
         if self.correction == "mask" and not self.correction_cap > 1:
             raise ValueError(f"correction_cap must be > 1 for the mask band, got {self.correction_cap}")
         check_positive("correction_cap", self.correction_cap)
@@ -226,11 +216,9 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
-class EvalConfig:
-    """Periodic evaluation in the deployment engine."""
+class EvalSettings:
+    """What an evaluation scores and how it samples: a run's `eval` section and `deployrl eval` share these."""
 
-    every: int = 0  # steps between evaluations; 0 = only at the end (if num_prompts > 0)
-    before_training: bool = False  # also evaluate the initial model (logged at step 0)
     num_prompts: int = 16  # problems per evaluation (the first ones of the task)
     samples: int = 1  # completions per problem (k of avg@k / pass@k)
     temperature: float = 1.0
@@ -239,7 +227,6 @@ class EvalConfig:
     task: Optional[TaskConfig] = None  # None: held-out examples of the training task
 
     def __post_init__(self) -> None:
-        check_non_negative("every", self.every)
         check_non_negative("num_prompts", self.num_prompts)
         check_positive("samples", self.samples)
         check_positive("temperature", self.temperature)
@@ -249,11 +236,25 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig(EvalSettings):
+    """Periodic evaluation in the deployment engine during training."""
+
+    every: int = 0  # steps between evaluations; 0 = only at the end (if num_prompts > 0)
+    before_training: bool = False  # also evaluate the initial model (logged at step 0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_non_negative("every", self.every)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """A whole run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=default_task)  # starts from the default; set rg_config={} to change dataset
+    # a section of the default's type (reasoning_gym) updates the default: set rg_config={} to change
+    # dataset; a section of another type starts from that type's defaults
+    task: TaskConfig = field(default_factory=default_task)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -308,22 +309,6 @@ def _is_gguf_model(name: str) -> bool:
     return name in ALIASES or name.endswith(".gguf")
 
 
-def split_config_items(items: list[str]) -> tuple[Optional[Path], list[str]]:
-    """Command-line `[config.yaml] [key=value ...]` -> (the file or None, the overrides)."""
-    path, overrides = None, list(items)
-    if overrides and "=" not in overrides[0]:
-        path = Path(overrides.pop(0))
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"{item!r} is neither the first argument (a config file) nor a key=value override")
-    return path, overrides
-
-
-def load_config(path: Optional[Path] = None, overrides: tuple[str, ...] | list[str] = ()) -> TrainConfig:
+def load_config(path: Optional[Path] = None, overrides: tuple[Override, ...] | list[Override] = ()) -> TrainConfig:
     """TrainConfig from an optional YAML file plus dotted overrides, fully validated."""
-    data = load_yaml(path) if path is not None else {}
-    origin = str(path) if path is not None else "command line"
-    if overrides:
-        data = apply_overrides(data, list(overrides))
-        origin = f"{origin} (with overrides)" if path is not None else origin
-    return build(TrainConfig, data, origin)
+    return load(TrainConfig, path, overrides)

@@ -8,13 +8,56 @@ cannot drift apart.
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
+from deployrl.algo._checks import check_positive
+from deployrl.config import EvalSettings
+from deployrl.configcli import CommandLine, Flag
+from deployrl.engines import parse_engine_spec
 from deployrl.engines.base import SamplingParams
 from deployrl.prompts import encode_prompts
-from deployrl.rewards import score_completions
+from deployrl.reward_sandbox import score_completions
+from deployrl.tasks import ReasoningGymTask, TaskConfig, load_task
+
+
+@dataclass(frozen=True)
+class EvalCommandConfig(EvalSettings):
+    """`deployrl eval`: a model, the engine that samples it, and what a run's `eval` section sets."""
+
+    num_prompts: int = 50
+    max_new_tokens: int = 512
+    task: TaskConfig = field(default_factory=lambda: ReasoningGymTask(seed=1))  # seed 1: not a default run's problems
+    model: str = "smollm2-135m"  # model directory (e.g. a checkpoint's model/ folder or an export), .gguf file, or alias
+    # GGUF whose tokenizer/metadata a llamacpp engine reuses (None: the model's own GGUF, else smollm2-135m's)
+    gguf_template: Optional[str] = None
+    engine: str = "llamacpp:q4_1"  # hf:{fp32,bf16,fp16,fp8} or llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}
+    seed: int = 0  # the sampling seed
+    json: Optional[str] = None  # also write the scores here
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("num_prompts", self.num_prompts)
+        parse_engine_spec(self.engine)
+
+
+FLAGS = (
+    Flag("--model", "model", "model directory (e.g. a checkpoint's model/ folder or an export), .gguf file, or alias"),
+    Flag("--gguf-template", "gguf_template", "GGUF whose tokenizer/metadata a llamacpp engine reuses"),
+    Flag("--engine", "engine", "engine spec, e.g. llamacpp:q4_1 or hf:bf16"),
+    Flag("--task", "task.name", "a reasoning-gym dataset", also=(("task.type", "reasoning_gym"),)),
+    Flag("--benchmark", "task.name", "math500, aime24, aime25, amc23, minerva_math, olympiadbench or gsm8k",
+         also=(("task.type", "benchmark"),)),
+    Flag("--num-prompts", "num_prompts", "problems (the first ones of the task)"),
+    Flag("--samples", "samples", "completions per problem (k)"),
+    Flag("--temperature", "temperature"),
+    Flag("--greedy", "top_k", "top-k 1 sampling", const=1),
+    Flag("--max-new-tokens", "max_new_tokens"),
+    Flag("--seed", "seed", "sampling seed"),
+    Flag("--json", "json", "also write the scores as JSON to this path"),
+)
 
 
 def evaluate(engine, tokenizer, task, cfg, max_new_tokens: int, seed: int = 0) -> dict[str, float]:
@@ -45,58 +88,36 @@ def evaluate(engine, tokenizer, task, cfg, max_new_tokens: int, seed: int = 0) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deployrl.config import EvalConfig
-    from deployrl.engines import make_engine, parse_engine_spec
+    from deployrl.engines import make_engine
     from deployrl.engines.check import verify_engine
     from deployrl.models import end_token_ids, load_model, load_tokenizer, resolve_model
-    from deployrl.tasks import TaskConfig, load_task
 
-    parser = argparse.ArgumentParser(
-        prog="deployrl eval",
-        description="Score a model or checkpoint on a task or benchmark, sampling in a deployment engine.",
+    command_line = CommandLine(
+        "deployrl eval", EvalCommandConfig,
+        "Score a model or checkpoint on a task or benchmark, sampling in a deployment engine. Settings are the"
+        " keys of a training run's eval section (task, num_prompts, samples, temperature, top_k, max_new_tokens)"
+        " plus model, gguf_template, engine, seed and json.",
+        FLAGS,
     )
-    parser.add_argument("--model", default="smollm2-135m",
-                        help="model directory (e.g. a checkpoint's model/ folder or an export), .gguf file, or alias")
-    parser.add_argument("--gguf-template", default=None,
-                        help="GGUF whose tokenizer/metadata a llamacpp engine reuses (default: the model's own GGUF, else smollm2-135m's)")
-    parser.add_argument("--engine", default="llamacpp:q4_1", help="engine spec, e.g. llamacpp:q4_1 or hf:bf16")
-    parser.add_argument("--benchmark", default=None,
-                        help="math500, aime24, aime25, amc23, minerva_math, olympiadbench or gsm8k")
-    parser.add_argument("--task", default=None, help="reasoning-gym dataset name (when no --benchmark)")
-    parser.add_argument("--num-prompts", type=int, default=50)
-    parser.add_argument("--samples", type=int, default=1, help="completions per problem (k)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--greedy", action="store_true", help="top-k 1 sampling")
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="also write the scores as JSON")
-    args = parser.parse_args(argv)
-    if args.num_prompts < 1:
-        parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
-
-    try:  # every argument, the data and the model's files are checked before the model loads
-        parse_engine_spec(args.engine)
-        if args.benchmark:
-            task_cfg = TaskConfig(type="benchmark", name=args.benchmark)
-        else:
-            task_cfg = TaskConfig(type="reasoning_gym", name=args.task or "basic_arithmetic", seed=args.seed + 1)
-        cfg = EvalConfig(num_prompts=args.num_prompts, samples=args.samples, temperature=args.temperature,
-                         top_k=1 if args.greedy else 0, max_new_tokens=args.max_new_tokens)
-        task = load_task(task_cfg)
-        source = resolve_model(args.model)
+    config, _ = command_line.parse(argv)
+    try:  # the data and the model's files are checked before the model loads
+        task = load_task(config.task)
+        source = resolve_model(config.model)
         # a llamacpp engine writes the weights into a GGUF shaped like a template's
         engine_source = source
-        if args.gguf_template or (source.gguf_file is None and args.engine.startswith("llamacpp")):
-            engine_source = resolve_model(args.gguf_template or "smollm2-135m")
+        if config.gguf_template or (source.gguf_file is None and config.engine.startswith("llamacpp")):
+            engine_source = resolve_model(config.gguf_template or "smollm2-135m")
         tokenizer = load_tokenizer(source)
-    except (ValueError, FileNotFoundError) as err:  # bad input: its message, not a traceback
-        parser.exit(2, f"deployrl eval: error: {err}\n")
+    except (ValueError, FileNotFoundError) as err:
+        command_line.fail(err)
     model = load_model(source).eval()
-    engine = make_engine(args.engine, model, engine_source, end_token_ids(tokenizer, model))
+    engine = make_engine(config.engine, model, engine_source, end_token_ids(tokenizer, model))
     verify_engine(engine, model, tokenizer)
-    scores = evaluate(engine, tokenizer, task, cfg, args.max_new_tokens, args.seed)
-    print(f"{task.name} with {args.model} in {args.engine}: " + ", ".join(
+    scores = evaluate(engine, tokenizer, task, config, config.max_new_tokens, config.seed)
+    print(f"{task.name} with {config.model} in {config.engine}: " + ", ".join(
         f"{k} {v:.3f}" if isinstance(v, float) and v < 10 else f"{k} {v:g}" for k, v in scores.items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"task": task.name, "model": args.model, "engine": args.engine, **scores}, indent=2))
+    if config.json:
+        Path(config.json).write_text(
+            json.dumps({"task": task.name, "model": config.model, "engine": config.engine, **scores}, indent=2)
+        )
     return 0

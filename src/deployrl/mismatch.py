@@ -8,7 +8,6 @@ delta by token probability and by position, and the engine's speed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -20,6 +19,7 @@ from typing import Optional
 import torch
 
 from deployrl.algo.discrepancy import SIGNALS, discrepancy_summary, token_discrepancy
+from deployrl.configcli import CommandLine, Flag
 from deployrl.engines import make_engine, parse_engine_spec
 from deployrl.engines.check import verify_engine
 from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
@@ -184,31 +184,34 @@ def _fmt(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.5f}"
 
 
+FLAGS = (
+    Flag("--model", "model", "model directory, .gguf file, hub id, or smollm2-135m"),
+    Flag("--engine", "engine", "engine spec: hf:{fp32,bf16,fp16,fp8} or llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}"),
+    Flag("--dtype", "dtype", "trainer precision: fp32, bf16 or fp16"),
+    Flag("--prompts", "prompts", ".jsonl (prompt or messages per line) or .txt file; default: the questions of the"
+         " embedded training task"),
+    Flag("--num-prompts", "num_prompts"),
+    Flag("-n", "n", "completions per prompt"),
+    Flag("--max-new-tokens", "max_new_tokens"),
+    Flag("--temperature", "temperature"),
+    Flag("--top-p", "top_p"),
+    Flag("--top-k", "top_k", "0 = off"),
+    Flag("--seed", "seed"),
+    Flag("--threshold", "threshold", "report the share of tokens with |p_old - p_inf| above this"),
+    Flag("--json", "json", "also write the report as JSON to this path"),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    defaults = MismatchConfig()
-    parser = argparse.ArgumentParser(
-        prog="deployrl mismatch",
-        description="Sample with a deployment engine, recompute with the trainer, report the discrepancy.",
+    command_line = CommandLine(
+        "deployrl mismatch", MismatchConfig,
+        "Sample with a deployment engine, recompute with the trainer, report the discrepancy.", FLAGS,
     )
-    parser.add_argument("--model", default=defaults.model, help="model directory, .gguf file, hub id, or smollm2-135m")
-    parser.add_argument("--engine", default=defaults.engine, help="engine spec: hf:{fp32,bf16,fp16,fp8} or llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}")
-    parser.add_argument("--dtype", default=defaults.dtype, help="trainer precision: fp32, bf16 or fp16")
-    parser.add_argument("--prompts", default=None, help=".jsonl (prompt or messages per line) or .txt file; default: the questions of the embedded training task")
-    parser.add_argument("--num-prompts", type=int, default=defaults.num_prompts)
-    parser.add_argument("-n", type=int, default=defaults.n, help="completions per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    parser.add_argument("--temperature", type=float, default=defaults.temperature)
-    parser.add_argument("--top-p", type=float, default=defaults.top_p)
-    parser.add_argument("--top-k", type=int, default=defaults.top_k, help="0 = off")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--threshold", type=float, default=defaults.threshold, help="report the share of tokens with |p_old - p_inf| above this")
-    parser.add_argument("--json", default=None, help="also write the report as JSON to this path")
-    args = parser.parse_args(argv)
-    config = MismatchConfig(**{k: v for k, v in vars(args).items()})
+    config, _ = command_line.parse(argv)
     try:
         checked_source(config)
-    except (ValueError, FileNotFoundError) as err:  # bad arguments: the message, not a traceback
-        parser.exit(2, f"deployrl mismatch: error: {err}\n")
+    except (ValueError, FileNotFoundError) as err:
+        command_line.fail(err)
     torch.manual_seed(config.seed)
     report = run(config)
     print(format_report(report))

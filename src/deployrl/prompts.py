@@ -7,13 +7,12 @@ from typing import Union
 Prompt = Union[str, list[dict[str, str]]]  # plain text or chat messages
 
 
-def encode_prompts(tokenizer, prompts: list[Prompt], system_prompt: str | None = None) -> list[list[int]]:
-    """Token ids of each prompt through the tokenizer's chat template (when it has one)."""
+def encode_prompts(tokenizer, prompts: list[Prompt]) -> list[list[int]]:
+    """Token ids of each prompt through the tokenizer's chat template (when it has one); a task's
+    system prompt is already in its messages (tasks.make_prompt)."""
     encoded = []
     for prompt in prompts:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": system_prompt}] + messages
         if getattr(tokenizer, "chat_template", None):
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         else:

@@ -316,6 +316,16 @@ PLOT_GROUPS: dict[str, Callable[[list[str]], list[list[str]]]] = {
 }
 
 
+class SilentLogger:
+    """RunLogger's interface, writing nothing: the logger of ranks other than 0 (rank 0 writes
+    the run directory)."""
+
+    def __getattr__(self, name: str):
+        if not callable(getattr(RunLogger, name, None)) or name.startswith("_"):
+            raise AttributeError(f"RunLogger has no method {name!r}")
+        return lambda *args, **kwargs: None
+
+
 def _series(rows: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     series: dict[str, tuple[list[int], list[float]]] = {}
     for row in rows:

@@ -15,12 +15,14 @@ log-normal noise, a stand-in for an imperfect proxy such as next-token entropy.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
 
+from deployrl.algo._checks import check_positive
 from deployrl.algo.prefix import STRATEGIES, cutoff_law, sample_plan
+from deployrl.config import PSConfig
+from deployrl.configcli import CommandLine, Flag
 
 
 @dataclass(frozen=True)
@@ -70,33 +72,54 @@ def estimator_stats(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="deployrl selfcheck",
-        description="Variance of the prefix-sampled gradient per cutoff strategy, at equal budget.",
-    )
-    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (K)")
-    parser.add_argument("--max-len", type=int, default=512, help="longest completion (T)")
-    parser.add_argument("--budget", type=float, default=128, help="expected tokens per completion (B)")
-    parser.add_argument("--xi-min", type=float, default=0.01, help="smallest inclusion probability")
-    parser.add_argument("--dim", type=int, default=32, help="dimension of the gradient vectors")
-    parser.add_argument("--draws", type=int, default=2000, help="Monte Carlo draws per strategy")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class SelfCheckConfig:
+    group_size: int = 8  # completions per prompt (K)
+    max_len: int = 512  # longest completion (T)
+    budget: float = 128.0  # expected tokens per completion (B)
+    xi_min: float = 0.01  # smallest inclusion probability
+    dim: int = 32  # dimension of the gradient vectors
+    draws: int = 2000  # Monte Carlo draws per strategy
+    seed: int = 0
 
-    generator = torch.Generator().manual_seed(args.seed)
-    inst = random_instance(args.group_size, args.max_len, args.dim, generator)
-    mean_len = float(inst.mask.sum()) / args.group_size
+    def __post_init__(self) -> None:
+        PSConfig(budget=self.budget, xi_min=self.xi_min)  # a training run's bounds on both
+        if self.max_len < 4:
+            raise ValueError(f"max_len must be >= 4 (completions are drawn from max_len/4 tokens up), got {self.max_len}")
+        for name in ("group_size", "dim", "draws"):
+            check_positive(name, getattr(self, name))
+
+
+FLAGS = (
+    Flag("--group-size", "group_size", "completions per prompt (K)"),
+    Flag("--max-len", "max_len", "longest completion (T)"),
+    Flag("--budget", "budget", "expected tokens per completion (B)"),
+    Flag("--xi-min", "xi_min", "smallest inclusion probability"),
+    Flag("--dim", "dim", "dimension of the gradient vectors"),
+    Flag("--draws", "draws", "Monte Carlo draws per strategy"),
+    Flag("--seed", "seed"),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, _ = CommandLine(
+        "deployrl selfcheck", SelfCheckConfig,
+        "Variance of the prefix-sampled gradient per cutoff strategy, at equal budget.", FLAGS,
+    ).parse(argv)
+
+    generator = torch.Generator().manual_seed(config.seed)
+    inst = random_instance(config.group_size, config.max_len, config.dim, generator)
+    mean_len = float(inst.mask.sum()) / config.group_size
     print(
-        f"one group: K={args.group_size}, mean length {mean_len:.0f} tokens (max {args.max_len}), "
-        f"budget B={args.budget:g} tokens per completion, xi_min={args.xi_min:g}, "
-        f"{args.draws} draws per strategy"
+        f"one group: K={config.group_size}, mean length {mean_len:.0f} tokens (max {config.max_len}), "
+        f"budget B={config.budget:g} tokens per completion, xi_min={config.xi_min:g}, "
+        f"{config.draws} draws per strategy"
     )
     header = f"{'strategy':<10} {'rel. variance':>20} {'rel. bias':>10} {'tokens/completion':>18} {'observed':>9}"
     print(header)
     print("-" * len(header))
     for strategy in STRATEGIES.names():
-        stats = estimator_stats(strategy, inst, args.budget, args.xi_min, args.draws, generator)
+        stats = estimator_stats(strategy, inst, config.budget, config.xi_min, config.draws, generator)
         variance = f"{stats['rel_variance']:.4f} ± {stats['rel_variance_se']:.4f}"
         print(
             f"{strategy:<10} {variance:>20} {stats['rel_bias']:>10.4f} "

@@ -24,7 +24,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional, Union
 
 from deployrl.prompts import Prompt
 from deployrl.registry import unknown_name_error
@@ -32,7 +32,6 @@ from deployrl.rewards import RewardFn, get_reward, last_boxed
 
 logger = logging.getLogger(__name__)
 
-TASK_TYPES = ("jsonl", "parquet", "hf", "reasoning_gym", "benchmark")
 BAD_EXAMPLE_ACTIONS = ("stop", "skip")
 
 DEFAULT_INSTRUCTIONS = {
@@ -58,105 +57,50 @@ class Example:
     source: str  # where it came from: "data.jsonl:12", "reasoning_gym:basic_arithmetic#5", "benchmark:math500#17"
 
 
-@dataclass(frozen=True)
-class TaskConfig:
-    # where the examples come from: jsonl | parquet | hf | reasoning_gym | benchmark
-    type: str = "reasoning_gym"
-    # reasoning-gym dataset name, benchmark name, or (hf) a dataset id or a local directory
-    name: str = "basic_arithmetic"
-    # the .jsonl / .parquet file; for a benchmark, an optional override: its JSONL file or a
-    # directory holding <name>/test.jsonl
-    path: Optional[str] = None
-    # the split of an hf dataset (benchmarks have one split, test: this is ignored for them)
-    split: str = "train"
-    # jsonl/parquet/hf: the field holding the question (a string, or a chat message list)
-    prompt_field: str = "prompt"
-    # jsonl/parquet/hf: the field holding the reference answer
-    answer_field: str = "answer"
+@dataclass(frozen=True, kw_only=True)
+class TaskSource:
+    """What every task source shares: how its prompts are written and scored, which examples
+    are kept. A task section picks its source with `type`; each source adds its own keys."""
+
+    type: str = field(default="", init=False)  # fixed by each source class
     # a system message put before every prompt (None: none)
     system_prompt: Optional[str] = None
     # appended to each question after a blank line; None: the reward's default
     # (DEFAULT_INSTRUCTIONS), "": no instruction
     instruction: Optional[str] = None
-    # reasoning_gym: the number of generated examples
-    size: int = 1000
-    # reasoning_gym: the generator's seed (same seed, same examples)
-    seed: int = 0
-    # reasoning_gym: extra dataset settings, e.g. {"min_terms": 2, "max_terms": 4}
-    rg_config: dict = field(default_factory=dict)
     # a built-in reward (math, reasoning_gym, format), "package.module:function", or auto:
-    # reasoning_gym for reasoning-gym tasks, math otherwise
+    # the source's default_reward
     reward: str = "auto"
     # keep only the first N examples (None: all)
     max_examples: Optional[int] = None
     # a malformed example (bad JSON line, missing, empty or non-text field): stop, with its file,
     # line and field; or skip it (counted in Task.skipped, logged) and load the rest
     on_bad_example: str = "stop"
+    # reasoning_gym: the generator's seed (same seed, same examples). Every source has it because
+    # the trainer's held-out evaluation set is the training task with seed + 1; the others ignore it.
+    seed: int = 0
+
+    default_reward: ClassVar[str] = "math"
 
     def __post_init__(self) -> None:
-        if self.type not in TASK_TYPES:
-            raise _field_error("type", unknown_name_error("task type", str(self.type), list(TASK_TYPES)))
         if self.on_bad_example not in BAD_EXAMPLE_ACTIONS:
-            raise _field_error(
-                "on_bad_example", unknown_name_error("action", str(self.on_bad_example), list(BAD_EXAMPLE_ACTIONS))
+            raise ValueError(
+                f"on_bad_example: {unknown_name_error('action', self.on_bad_example, list(BAD_EXAMPLE_ACTIONS))}"
             )
-        for name in ("name", "split", "prompt_field", "answer_field", "reward"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"task.{name} must be a non-empty string, got {value!r}")
-        for name in ("path", "system_prompt", "instruction"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"task.{name} must be a string or None, got {value!r}")
-        if isinstance(self.path, str) and not self.path.strip():
-            raise ValueError("task.path must not be empty")
-        for name in ("size", "seed"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"task.{name} must be an integer, got {value!r}")
-        if self.size < 1:
-            raise ValueError(f"task.size must be >= 1, got {self.size}")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise ValueError(f"max_examples must be a positive integer or None, got {self.max_examples}")
         if self.seed < 0:
-            raise ValueError(f"task.seed must be >= 0, got {self.seed}")
-        if self.max_examples is not None and (
-            not isinstance(self.max_examples, int) or isinstance(self.max_examples, bool) or self.max_examples < 1
-        ):
-            raise ValueError(f"task.max_examples must be a positive integer or None, got {self.max_examples!r}")
-        if not isinstance(self.rg_config, dict):
-            raise ValueError(f"task.rg_config must be a dict, got {type(self.rg_config).__name__}")
-        if self.type in ("jsonl", "parquet"):
-            if self.path is None:
-                raise ValueError(f"task.path is required for a {self.type} task")
-            suffix = Path(self.path).suffix
-            if suffix != f".{self.type}":
-                raise ValueError(f"task.path must be a .{self.type} file for a {self.type} task, got {self.path!r}")
-        if self.type == "benchmark" and self.name not in BENCHMARKS:
-            raise _field_error("name", unknown_name_error("benchmark", self.name, list(BENCHMARKS)))
-        if self.type == "reasoning_gym":
-            if self.name not in reasoning_gym_names():
-                raise _field_error("name", unknown_name_error("reasoning-gym dataset", self.name, reasoning_gym_names()))
-            for key in ("size", "seed"):
-                if key in self.rg_config:
-                    raise ValueError(f"task.rg_config: set {key!r} with task.{key}, not in rg_config")
-            valid = reasoning_gym_settings(self.name)
-            unknown = sorted(set(self.rg_config) - set(valid))
-            if unknown:
-                raise ValueError(
-                    f"task.rg_config: {self.name!r} has no setting {', '.join(map(repr, unknown))};"
-                    f" valid: {', '.join(valid)}"
-                )
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.reward != "auto":
             try:
                 get_reward(self.reward)
             except ValueError as err:
-                raise ValueError(f"task.reward: {err}") from None
+                raise ValueError(f"reward: {err}") from None
 
     @property
     def reward_name(self) -> str:
         """The reward this task uses, with ``auto`` resolved."""
-        if self.reward != "auto":
-            return self.reward
-        return "reasoning_gym" if self.type == "reasoning_gym" else "math"
+        return self.default_reward if self.reward == "auto" else self.reward
 
     @property
     def resolved_instruction(self) -> Optional[str]:
@@ -166,8 +110,112 @@ class TaskConfig:
         return DEFAULT_INSTRUCTIONS.get(self.reward_name)
 
 
-def _field_error(name: str, err: ValueError) -> ValueError:
-    return ValueError(f"task.{name}: {err}")
+@dataclass(frozen=True, kw_only=True)
+class RecordSource(TaskSource):
+    """Records with a question field and a reference field."""
+
+    # the field holding the question (a string, or a chat message list)
+    prompt_field: str = "prompt"
+    # the field holding the reference answer
+    answer_field: str = "answer"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_not_blank(self, "prompt_field", "answer_field")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileSource(RecordSource):
+    """Records in one file whose suffix is the source's type."""
+
+    path: str  # the .jsonl / .parquet file
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if Path(self.path).suffix != f".{self.type}":
+            raise ValueError(f"path must be a .{self.type} file for a {self.type} task, got {self.path!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JsonlTask(FileSource):
+    """A JSON Lines file, one record per line."""
+
+    type: str = field(default="jsonl", init=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParquetTask(FileSource):
+    """A Parquet file, one record per row."""
+
+    type: str = field(default="parquet", init=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFTask(RecordSource):
+    """A Hugging Face dataset, from the hub or a local directory."""
+
+    type: str = field(default="hf", init=False)
+    name: str  # a hub dataset id or a local directory written by `save_to_disk`
+    split: str = "train"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_not_blank(self, "name", "split")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReasoningGymTask(TaskSource):
+    """Problems generated by a reasoning-gym dataset, scored by the dataset itself."""
+
+    type: str = field(default="reasoning_gym", init=False)
+    name: str = "basic_arithmetic"  # the reasoning-gym dataset
+    size: int = 1000  # the number of generated examples
+    rg_config: dict = field(default_factory=dict)  # the dataset's own settings, e.g. {"min_terms": 2, "max_terms": 4}
+
+    default_reward: ClassVar[str] = "reasoning_gym"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.name not in reasoning_gym_names():
+            raise ValueError(f"name: {unknown_name_error('reasoning-gym dataset', self.name, reasoning_gym_names())}")
+        if self.size < 1:
+            raise ValueError(f"size must be >= 1, got {self.size}")
+        for key in ("size", "seed"):
+            if key in self.rg_config:
+                raise ValueError(f"rg_config: set {key!r} with the task's own {key}, not in rg_config")
+        valid = reasoning_gym_settings(self.name)
+        unknown = sorted(set(self.rg_config) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"rg_config: {self.name!r} has no setting {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchmarkTask(TaskSource):
+    """One of the math benchmarks shipped in data/benchmarks."""
+
+    type: str = field(default="benchmark", init=False)
+    name: str  # one of BENCHMARKS
+    # an optional override of the shipped file: its JSONL file or a directory holding <name>/test.jsonl
+    path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.name not in BENCHMARKS:
+            raise ValueError(f"name: {unknown_name_error('benchmark', self.name, list(BENCHMARKS))}")
+        if self.path is not None:
+            _check_not_blank(self, "path")
+
+
+# A task section: the source named by its `type` (configio builds the class whose type it names).
+TaskConfig = Union[JsonlTask, ParquetTask, HFTask, ReasoningGymTask, BenchmarkTask]
+
+
+def _check_not_blank(config: TaskSource, *names: str) -> None:
+    for name in names:
+        if not getattr(config, name).strip():
+            raise ValueError(f"{name} must not be empty")
 
 
 @dataclass
@@ -289,7 +337,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _record_example(record: Any, where: str, config: TaskConfig, instruction: Optional[str]) -> Example:
+def _record_example(record: Any, where: str, config: RecordSource, instruction: Optional[str]) -> Example:
     if not isinstance(record, dict):
         raise TaskDataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     for name in (config.prompt_field, config.answer_field):
@@ -361,12 +409,12 @@ def json_lines(path: Path, bad: Optional[BadExamples] = None) -> Iterator[tuple[
                 yield where, record
 
 
-def _load_jsonl(config: TaskConfig, instruction: Optional[str], bad: BadExamples) -> list[Example]:
+def _load_jsonl(config: JsonlTask, instruction: Optional[str], bad: BadExamples) -> list[Example]:
     return _valid_examples(json_lines(Path(config.path), bad), config, instruction, bad)
 
 
 def _valid_examples(
-    records: Iterator[tuple[str, dict]], config: TaskConfig, instruction: Optional[str], bad: BadExamples
+    records: Iterator[tuple[str, dict]], config: RecordSource, instruction: Optional[str], bad: BadExamples
 ) -> list[Example]:
     """The examples of (where, record) pairs, the first `config.max_examples`; a malformed record goes to `bad`."""
     examples = []
@@ -402,7 +450,7 @@ def load_prompt_file(path: Path) -> list[Prompt]:
     return prompts
 
 
-def _load_parquet(config: TaskConfig, instruction: Optional[str], bad: BadExamples) -> list[Example]:
+def _load_parquet(config: ParquetTask, instruction: Optional[str], bad: BadExamples) -> list[Example]:
     import pyarrow.parquet as pq
 
     path = Path(config.path)
@@ -425,7 +473,7 @@ def _load_parquet(config: TaskConfig, instruction: Optional[str], bad: BadExampl
     )
 
 
-def _load_hf(config: TaskConfig, instruction: Optional[str], bad: BadExamples) -> list[Example]:
+def _load_hf(config: HFTask, instruction: Optional[str], bad: BadExamples) -> list[Example]:
     try:
         import datasets
     except ImportError as err:  # pragma: no cover - datasets is a dependency
@@ -482,7 +530,7 @@ def reasoning_gym_settings(name: str) -> list[str]:
     return [f.name for f in dataclasses.fields(DATASETS[name][1]) if f.name not in ("size", "seed")]
 
 
-def _load_reasoning_gym(config: TaskConfig, instruction: Optional[str], bad: BadExamples) -> list[Example]:
+def _load_reasoning_gym(config: ReasoningGymTask, instruction: Optional[str], bad: BadExamples) -> list[Example]:
     import reasoning_gym
 
     try:
@@ -606,7 +654,7 @@ def benchmark_file(name: str, override: Optional[str] = None) -> Path:
     return path
 
 
-def _load_benchmark(config: TaskConfig, instruction: Optional[str], bad: BadExamples) -> list[Example]:
+def _load_benchmark(config: BenchmarkTask, instruction: Optional[str], bad: BadExamples) -> list[Example]:
     spec = BENCHMARKS[config.name]
     path = benchmark_file(config.name, config.path)
     examples = []
@@ -642,8 +690,8 @@ _LOADERS = {
 
 def load_task(config: TaskConfig) -> Task:
     """Load and validate every example of the task; errors name the file, line and field."""
-    if not isinstance(config, TaskConfig):
-        raise TypeError(f"load_task expects a TaskConfig, got {type(config).__name__}")
+    if not isinstance(config, TaskSource):
+        raise TypeError(f"load_task expects a task config (JsonlTask, ReasoningGymTask, ...), got {type(config).__name__}")
     reward = get_reward(config.reward_name)
     bad = BadExamples(config.on_bad_example)
     examples = _LOADERS[config.type](config, config.resolved_instruction, bad)
@@ -662,6 +710,6 @@ def _skipped_summary(bad: BadExamples) -> str:
 
 
 def _task_name(config: TaskConfig) -> str:
-    if config.type in ("jsonl", "parquet"):
-        return str(config.path)
+    if isinstance(config, FileSource):
+        return config.path
     return f"{config.type}:{config.name}"

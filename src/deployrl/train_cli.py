@@ -2,52 +2,38 @@
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="deployrl train",
-        description=(
-            "RL post-training against the deployment engine. With no arguments: the embedded default"
-            " (SmolLM2-135M-Instruct, reasoning-gym arithmetic, fp32 trainer, llama.cpp Q4_1 sampling,"
-            " DC-GRPO + PS-PPO). Overrides are section.key=value, e.g. algo.dc.tolerance=0.01."
-        ),
+    from deployrl.config import TrainConfig
+    from deployrl.configcli import CommandLine
+
+    command_line = CommandLine(
+        "deployrl train", TrainConfig,
+        "RL post-training against the deployment engine. With no arguments: the embedded default"
+        " (SmolLM2-135M-Instruct, reasoning-gym arithmetic, fp32 trainer, llama.cpp Q4_1 sampling,"
+        " DC-GRPO + PS-PPO). Overrides are section.key=value, e.g. algo.dc.tolerance=0.01.",
         epilog=(
             "Several processes (FSDP2; gloo on CPU, NCCL on GPUs): torchrun --nproc_per_node=N -m deployrl train"
             " [config.yaml] [key=value ...]; several nodes: add torchrun's --nnodes and --rdzv-endpoint."
             " See docs/distributed.md."
         ),
     )
-    parser.add_argument("items", nargs="*", metavar="[config.yaml] [key=value ...]",
-                        help="an optional YAML config file, then dotted overrides")
-    parser.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
-    parser.add_argument("--export", default=None, metavar="DIR",
-                        help="after training, write the final model as an HF folder (and a GGUF) to DIR")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    args = parser.parse_args(argv)
-
-    from deployrl.config import load_config, split_config_items
-    from deployrl.configio import ConfigError, to_dict
-
-    try:
-        config = load_config(*split_config_items(args.items))
-    except ConfigError as err:
-        parser.exit(2, f"deployrl train: error: {err}\n")
-    if args.print_config:
-        import yaml
-
-        print(yaml.safe_dump(to_dict(config), sort_keys=False))
-        return 0
+    command_line.parser.add_argument("--resume", action="store_true",
+                                     help="continue from the run directory's latest checkpoint")
+    command_line.parser.add_argument("--export", default=None, metavar="DIR",
+                                     help="after training, write the final model as an HF folder (and a GGUF) to DIR")
+    config, args = command_line.parse(argv)
 
     from deployrl.checkpoint import CheckpointError, latest_checkpoint
     from deployrl.models import UnsupportedModelError
     from deployrl.runlog import RunDirectoryError
     from deployrl.tasks import TaskDataError
-    from deployrl.trainer import Trainer, TrainingError, TrainingInterrupted
+    from deployrl.errors import TrainingError, TrainingInterrupted
+    from deployrl.trainer import Trainer
 
     resume_command = shlex.join(
         ["deployrl", "train", *args.items, *(["--export", args.export] if args.export else []), "--resume"]

@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from deployrl.algo._checks import check_ndim, check_non_negative
+from deployrl.algo._tokens import real_tokens_only
 from deployrl.registry import Registry
 
 AdvantageFn = Callable[[torch.Tensor, float], torch.Tensor]
@@ -97,4 +98,4 @@ def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.T
         raise ValueError(
             f"advantages hold {flat.shape[0]} completions but mask has {mask.shape[0]} rows"
         )
-    return torch.where(mask.bool(), flat[:, None], flat.new_zeros(()))  # [B, T]
+    return real_tokens_only(flat[:, None], mask)  # [B, T]

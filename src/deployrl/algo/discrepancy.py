@@ -24,15 +24,29 @@ from typing import Callable, Sequence
 import torch
 
 from deployrl.algo._checks import check_non_negative, check_positive, check_same_shape
+from deployrl.algo._tokens import real_tokens_only
 from deployrl.registry import Registry, unknown_name_error
 
 SIGNALS: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Registry(
     "discrepancy signal"
 )
-CORRECTIONS: Registry[Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = Registry(
-    "importance correction"
-)
 PENALTIES = ("full", "hinge")
+
+
+@dataclass(frozen=True)
+class Correction:
+    """How a mismatch correction uses the engine's log-probs.
+
+    `weights(logp_old, logp_inf, cap)` [B, T] multiply each token's loss; a `constrained`
+    correction (DC-GRPO) shapes the advantages by lambda * delta instead, and lambda follows
+    the dual step on the mean discrepancy.
+    """
+
+    weights: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    constrained: bool = False
+
+
+CORRECTIONS: Registry[Correction] = Registry("mismatch correction")
 
 
 @SIGNALS.register("diff")
@@ -59,16 +73,14 @@ def token_discrepancy(
     """delta [B, T] between trainer and engine log-probs [B, T]; zero on padding."""
     fn = SIGNALS.get(signal)
     check_same_shape(logp_old=logp_old, logp_inf=logp_inf, mask=mask)
-    delta = fn(logp_old.detach(), logp_inf.detach())
-    return torch.where(mask.bool(), delta, torch.zeros_like(delta))
+    return real_tokens_only(fn(logp_old.detach(), logp_inf.detach()), mask)
 
 
 def trajectory_discrepancy(delta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """D [B]: the mean of delta [B, T] over each completion's real tokens (0 if none); delta
     at padding is ignored, whatever it holds (selected away, not multiplied by 0)."""
     check_same_shape(delta=delta, mask=mask)
-    real = mask.bool()
-    return torch.where(real, delta, delta.new_zeros(())).sum(dim=1) / real.sum(dim=1).clamp(min=1)
+    return real_tokens_only(delta, mask).sum(dim=1) / mask.bool().sum(dim=1).clamp(min=1)
 
 
 def shape_advantages(
@@ -88,8 +100,7 @@ def shape_advantages(
         raise unknown_name_error("discrepancy penalty", penalty, list(PENALTIES))
     check_non_negative("lam", lam)
     excess = delta if penalty == "full" else (delta - tolerance).clamp(min=0)
-    shaped = advantages - lam * excess.detach()
-    return torch.where(mask.bool(), shaped, torch.zeros_like(shaped))
+    return real_tokens_only(advantages - lam * excess.detach(), mask)
 
 
 def dual_step(
@@ -97,6 +108,16 @@ def dual_step(
 ) -> float:
     """One projected dual-ascent step: clip(lam + lr * (mean D - tolerance), 0, lam_max)."""
     return min(max(lam + lr * (mean_discrepancy - tolerance), 0.0), lam_max)
+
+
+def check_dual_settings(tolerance: float, lr: float, lam_max: float, lam: float, lam_name: str = "lam") -> None:
+    """The bounds of a DualController's settings; `lam_name` is what the caller calls the
+    initial multiplier (DCConfig checks its fields with this too: its lam_init)."""
+    check_non_negative("tolerance", tolerance)
+    check_positive("lr", lr)
+    check_positive("lam_max", lam_max)
+    if not 0 <= lam <= lam_max:
+        raise ValueError(f"{lam_name} must lie in [0, lam_max={lam_max}], got {lam}")
 
 
 @dataclass
@@ -109,11 +130,7 @@ class DualController:
     lam: float = 0.0
 
     def __post_init__(self) -> None:
-        check_non_negative("tolerance", self.tolerance)
-        check_positive("lr", self.lr)
-        check_positive("lam_max", self.lam_max)
-        if not 0 <= self.lam <= self.lam_max:
-            raise ValueError(f"lam must lie in [0, lam_max={self.lam_max}], got {self.lam}")
+        check_dual_settings(self.tolerance, self.lr, self.lam_max, self.lam)
 
     def step(self, mean_discrepancy: float) -> float:
         """Update lambda from this step's mean trajectory discrepancy and return it."""
@@ -134,13 +151,11 @@ class DualController:
         self.lam = lam
 
 
-@CORRECTIONS.register("none")
-def no_correction(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
+def unit_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
     """Weight 1 everywhere: ignore the engine's log-probs."""
     return torch.ones_like(logp_old)
 
 
-@CORRECTIONS.register("tis")
 def tis_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
     """Truncated importance weights min(exp(logp_old - logp_inf), cap), [B, T].
 
@@ -151,7 +166,6 @@ def tis_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> t
     return torch.exp(logp_old - logp_inf).clamp(max=cap).detach()
 
 
-@CORRECTIONS.register("mask")
 def mask_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
     """1 where exp(logp_old - logp_inf) lies in [1/cap, cap], else 0, [B, T]; compared in
     log space (no exponential), a NaN log-ratio gets 0."""
@@ -161,13 +175,44 @@ def mask_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> 
     return (log_ratio.abs() <= math.log(cap)).to(logp_old.dtype)
 
 
+CORRECTIONS.register("none")(Correction(unit_weights))
+CORRECTIONS.register("tis")(Correction(tis_weights))
+CORRECTIONS.register("mask")(Correction(mask_weights))
+CORRECTIONS.register("dc")(Correction(unit_weights, constrained=True))
+
+
 def correction_weights(
     name: str, logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float = 2.0
 ) -> torch.Tensor:
-    """Per-token weights [B, T] of the importance correction `name` (none, tis, mask)."""
-    fn = CORRECTIONS.get(name)
+    """Per-token weights [B, T] of the mismatch correction `name` (1 for none and dc)."""
+    correction = CORRECTIONS.get(name)
     check_same_shape(logp_old=logp_old, logp_inf=logp_inf)
-    return fn(logp_old, logp_inf, cap)
+    return correction.weights(logp_old, logp_inf, cap)
+
+
+def apply_correction(
+    name: str,
+    advantages: torch.Tensor,
+    delta: torch.Tensor,
+    logp_old: torch.Tensor,
+    logp_inf: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    lam: float = 0.0,
+    penalty: str = "full",
+    tolerance: float = 0.0,
+    cap: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [B, T], weights [B, T]) under the mismatch correction `name`, both 0 on padding.
+
+    A constrained correction returns `shape_advantages(advantages, delta, ..., lam)` and weight 1;
+    the others return the advantages unchanged and their per-token weights. All inputs [B, T].
+    """
+    correction = CORRECTIONS.get(name)
+    if correction.constrained:
+        advantages = shape_advantages(advantages, delta, mask, lam, penalty, tolerance)
+    weights = correction_weights(name, logp_old, logp_inf, cap)
+    return advantages, real_tokens_only(weights, mask)
 
 
 def _bucket_means(

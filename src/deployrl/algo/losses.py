@@ -29,48 +29,70 @@ from typing import Callable, Optional
 import torch
 
 from deployrl.algo._checks import check_non_negative, check_same_shape
+from deployrl.algo._tokens import masked_mean, real_tokens_only
 from deployrl.registry import Registry
 
-Aggregation = Callable[[torch.Tensor, torch.Tensor, Optional[float], Optional[float]], torch.Tensor]
-AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
 KL_ESTIMATORS: Registry[Callable[[torch.Tensor], torch.Tensor]] = Registry("KL estimator")
 # |log rho| is bounded before the exponential (verl's value): exp(20) ~ 4.9e8 is finite in
 # float32 (the log-probs' dtype), so a clipped token's zero gradient never becomes 0 * inf = NaN.
 MAX_LOG_RATIO = 20.0
 
 
-def _real_tokens_only(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """values [B, T] with padding (mask == 0) replaced by 0; selects, so NaN/inf there vanish."""
-    return torch.where(mask.bool(), values, values.new_zeros(()))
+@dataclass(frozen=True)
+class Aggregation:
+    """A loss reduction and its denominator.
+
+    `reduce(values, real, max_length, count)` sums `values` [B, T] (0 at padding) and divides by
+    `count`; `count(real)` is the denominator of a whole batch, real [B, T] bool. A batch split
+    into micro-batches passes the whole batch's count to each, so their losses add up.
+    """
+
+    reduce: Callable[[torch.Tensor, torch.Tensor, Optional[float], torch.Tensor], torch.Tensor]
+    count: Callable[[torch.Tensor], torch.Tensor]
 
 
-@AGGREGATIONS.register("token_mean")
-def token_mean(values, mask, max_length=None, denominator=None):
-    """sum over tokens / number of real tokens (`denominator` overrides the count)."""
-    count = mask.sum() if denominator is None else denominator
-    return _real_tokens_only(values, mask).sum() / count
+AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
 
 
-@AGGREGATIONS.register("seq_mean_token_mean")
-def seq_mean_token_mean(values, mask, max_length=None, denominator=None):
-    """Mean over sequences of each sequence's token mean (`denominator`: sequence count).
+def _real_count(real: torch.Tensor) -> torch.Tensor:
+    return real.sum()
+
+
+def _row_count(real: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(real.shape[0])
+
+
+def _token_mean(values, real, max_length, count):
+    """sum over tokens / number of real tokens (DAPO)."""
+    return values.sum() / count
+
+
+def _seq_mean_token_mean(values, real, max_length, count):
+    """Mean over sequences of each sequence's token mean (GRPO).
 
     A row without real tokens counts as a sequence with mean 0 (verl leaves it out): the
     denominator is the number of rows, fixed by the batch, like every other denominator here.
     """
-    per_seq = _real_tokens_only(values, mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
-    count = mask.shape[0] if denominator is None else denominator
-    return per_seq.sum() / count
+    return (values.sum(dim=1) / real.sum(dim=1).clamp(min=1)).sum() / count
 
 
-@AGGREGATIONS.register("seq_mean_token_sum_norm")
-def seq_mean_token_sum_norm(values, mask, max_length=None, denominator=None):
+def _seq_mean_token_sum_norm(values, real, max_length, count):
     """sum over tokens / (sequences * max_length): Dr. GRPO's constant denominator (as TRL's
     `dr_grpo`; verl divides by max_length alone, so its loss grows with the batch)."""
     if max_length is None:
         raise ValueError("seq_mean_token_sum_norm needs max_length (the maximum completion length)")
-    count = mask.shape[0] if denominator is None else denominator
-    return _real_tokens_only(values, mask).sum() / (count * max_length)
+    return values.sum() / (count * max_length)
+
+
+AGGREGATIONS.register("token_mean")(Aggregation(_token_mean, _real_count))
+AGGREGATIONS.register("seq_mean_token_mean")(Aggregation(_seq_mean_token_mean, _row_count))
+AGGREGATIONS.register("seq_mean_token_sum_norm")(Aggregation(_seq_mean_token_sum_norm, _row_count))
+
+
+def batch_denominator(mode: str, mask: torch.Tensor) -> torch.Tensor:
+    """The count [] the aggregation `mode` divides the batch with real tokens `mask` [B, T] by:
+    real tokens (token_mean) or rows (the others)."""
+    return AGGREGATIONS.get(mode).count(mask.bool())
 
 
 def aggregate(
@@ -83,13 +105,15 @@ def aggregate(
     """Reduce per-token values [B, T] to a scalar by the aggregation `mode`.
 
     `mask` [B, T] marks real completion tokens; `values` at padding are ignored, whatever
-    they hold. `denominator` replaces the token count (token_mean) or the sequence count (the
-    other modes): pass the whole batch's count when a batch is split into micro-batches, so
-    that their losses add up to the batch loss.
+    they hold. `denominator` replaces the batch's own count (`batch_denominator`): pass
+    the whole batch's count when a batch is split into micro-batches, so that their losses add
+    up to the batch loss.
     """
-    fn = AGGREGATIONS.get(mode)
+    aggregation = AGGREGATIONS.get(mode)
     check_same_shape(values=values, mask=mask)
-    return fn(values, mask.bool(), max_length, denominator)
+    real = mask.bool()
+    count = aggregation.count(real) if denominator is None else denominator
+    return aggregation.reduce(real_tokens_only(values, real), real, max_length, count)
 
 
 @KL_ESTIMATORS.register("k1")
@@ -149,6 +173,16 @@ def clipped_surrogate(
     return loss, clipped
 
 
+def check_loss_settings(eps_low: float, eps_high: float, dual_clip: Optional[float], kl_coef: float) -> None:
+    """The bounds of `policy_loss`'s settings (AlgoConfig checks its fields with this too)."""
+    if not 0 <= eps_low < 1:
+        raise ValueError(f"eps_low must lie in [0, 1) (the ratio is clipped below at 1 - eps_low), got {eps_low}")
+    check_non_negative("eps_high", eps_high)
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    check_non_negative("kl_coef", kl_coef)
+
+
 def policy_loss(
     logp: torch.Tensor,
     logp_old: torch.Tensor,
@@ -177,13 +211,7 @@ def policy_loss(
     check_same_shape(logp=logp, logp_old=logp_old, advantages=advantages, mask=mask)
     if weights is not None:
         check_same_shape(logp=logp, weights=weights)
-    check_non_negative("eps_low", eps_low)
-    check_non_negative("eps_high", eps_high)
-    if eps_low >= 1:
-        raise ValueError(f"eps_low must be < 1 so that 1 - eps_low > 0, got {eps_low}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    check_non_negative("kl_coef", kl_coef)
+    check_loss_settings(eps_low, eps_high, dual_clip, kl_coef)
     if kl_coef > 0 and logp_ref is None:
         raise ValueError("kl_coef > 0 needs logp_ref, the reference policy's log-probs")
     AGGREGATIONS.get(aggregation)
@@ -191,20 +219,20 @@ def policy_loss(
     real = mask.bool()
     # Selected away before any arithmetic, so that no NaN/inf at padding reaches a product
     # whose backward would multiply it by a zero gradient.
-    logp, logp_old, advantages = (_real_tokens_only(t, real) for t in (logp, logp_old, advantages))
+    logp, logp_old, advantages = (real_tokens_only(t, real) for t in (logp, logp_old, advantages))
     surrogate, clipped = clipped_surrogate(logp, logp_old, advantages, eps_low, eps_high, dual_clip)
     token_loss = surrogate
     metrics: dict[str, torch.Tensor] = {}
     if kl_coef > 0:
-        kl = kl_penalty(logp, _real_tokens_only(logp_ref, real), kl_estimator)
+        kl = kl_penalty(logp, real_tokens_only(logp_ref, real), kl_estimator)
         token_loss = token_loss + kl_coef * kl
-        metrics["kl_ref"] = token_mean(kl.detach(), real)
-    weighted = token_loss if weights is None else token_loss * _real_tokens_only(weights, real)
+        metrics["kl_ref"] = masked_mean(kl.detach(), real)
+    weighted = token_loss if weights is None else token_loss * real_tokens_only(weights, real)
     loss = aggregate(weighted, real, aggregation, max_length, denominator)
 
     with torch.no_grad():
         log_ratio = (logp - logp_old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)  # the ratio the loss used
-        metrics["clip_fraction"] = token_mean(clipped.to(logp.dtype), real)
-        metrics["approx_kl_old"] = token_mean(kl_k3(log_ratio), real)
-        metrics["ratio_mean"] = token_mean(log_ratio.exp(), real)
+        metrics["clip_fraction"] = masked_mean(clipped.to(logp.dtype), real)
+        metrics["approx_kl_old"] = masked_mean(kl_k3(log_ratio), real)
+        metrics["ratio_mean"] = masked_mean(log_ratio.exp(), real)
     return LossOutputs(loss=loss, token_loss=token_loss, metrics=metrics)

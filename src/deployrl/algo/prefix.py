@@ -29,7 +29,7 @@ term does not change the minimiser, so it is dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -63,12 +63,28 @@ def optimal_shape(n_alive: np.ndarray, weights: Optional[np.ndarray]) -> np.ndar
     return np.sqrt(np.clip(v_hat, 0.0, None))
 
 
+def entropy_weights(proxies: Mapping[str, torch.Tensor], group_size: int) -> torch.Tensor:
+    """w [B, T] = the next-token entropy (the heuristic law)."""
+    return proxies["entropy"]
+
+
+def gradient_uncertainty_weights(proxies: Mapping[str, torch.Tensor], group_size: int) -> torch.Tensor:
+    """w [B, T] = gamma [B, T] x u [G, T] of the completion's group (the optimized law)."""
+    return proxies["grad_norm"] * proxies["uncertainty"].repeat_interleave(group_size, dim=0)
+
+
 @dataclass(frozen=True)
 class CutoffStrategy:
-    """How a strategy shapes its law and draws the kept tokens."""
+    """How a strategy shapes its law and draws the kept tokens.
+
+    `proxies` names the trainer-side statistics its token weights w are made of: ``entropy``
+    [B, T], ``grad_norm`` (gamma) [B, T], ``uncertainty`` (u) [G, T]; `token_weights(proxies,
+    group_size)` makes w [B, T] from them.
+    """
 
     shape: Optional[ShapeFn]  # None: xi = 1, no budget
-    needs_weights: bool = False
+    proxies: tuple[str, ...] = ()
+    token_weights: Optional[Callable[[Mapping[str, torch.Tensor], int], torch.Tensor]] = None
     independent_tokens: bool = False  # True: Bernoulli per token (S-GRPO), not a prefix
 
 
@@ -76,9 +92,22 @@ STRATEGIES: Registry[CutoffStrategy] = Registry("cutoff strategy")
 STRATEGIES.register("full")(CutoffStrategy(shape=None))
 STRATEGIES.register("uniform")(CutoffStrategy(shape=uniform_shape))
 STRATEGIES.register("temporal")(CutoffStrategy(shape=temporal_shape))
-STRATEGIES.register("heuristic")(CutoffStrategy(shape=optimal_shape, needs_weights=True))
-STRATEGIES.register("optimized")(CutoffStrategy(shape=optimal_shape, needs_weights=True))
+STRATEGIES.register("heuristic")(CutoffStrategy(optimal_shape, ("entropy",), entropy_weights))
+STRATEGIES.register("optimized")(
+    CutoffStrategy(optimal_shape, ("grad_norm", "uncertainty"), gradient_uncertainty_weights)
+)
 STRATEGIES.register("sgrpo")(CutoffStrategy(shape=constant_shape, independent_tokens=True))
+
+
+def law_weights(strategy: str, proxies: Mapping[str, torch.Tensor], group_size: int) -> Optional[torch.Tensor]:
+    """The token weights w [B, T] the cutoff `strategy` is solved with (None: it needs none)."""
+    spec = STRATEGIES.get(strategy)
+    if spec.token_weights is None:
+        return None
+    missing = [name for name in spec.proxies if proxies.get(name) is None]
+    if missing:
+        raise ValueError(f"cutoff strategy {strategy!r} needs the proxies {missing}")
+    return spec.token_weights(proxies, group_size)
 
 
 def fit_to_budget(
@@ -148,7 +177,7 @@ def cutoff_law(
     check_positive("budget", budget)
     if not 0 < xi_min <= 1:
         raise ValueError(f"xi_min must lie in (0, 1], got {xi_min}")
-    if spec.needs_weights:
+    if spec.token_weights is not None:
         if token_weights is None:
             raise ValueError(f"cutoff strategy {strategy!r} needs token_weights [B, T]")
         check_same_shape(token_weights=token_weights, mask=mask)
@@ -157,7 +186,7 @@ def cutoff_law(
 
     n_alive = alive_counts(mask, group_size).numpy()  # [G, T]
     weight_sums = (
-        group_weight_sums(token_weights, mask, group_size).numpy() if spec.needs_weights else None
+        group_weight_sums(token_weights, mask, group_size).numpy() if spec.token_weights is not None else None
     )
     total_budget = group_size * budget
     xi = np.zeros_like(n_alive)

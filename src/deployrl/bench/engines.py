@@ -11,41 +11,53 @@ different token (llama.cpp's kernels are not batch-invariant: docs/engines.md).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
+from typing import Optional
 
 import torch
 
-
-def _ints(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",")]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
+from deployrl.algo._checks import check_positive
+from deployrl.configcli import CommandLine, Flag
+from deployrl.engines import parse_engine_spec
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="deployrl bench engines", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engine", default="llamacpp:q4_1", help="a llamacpp engine spec (default llamacpp:q4_1)")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts of the default task per call (default 4)")
-    parser.add_argument("-k", type=_ints, default=[1, 4, 8, 16], help="completions per prompt (default 1,4,8,16)")
-    parser.add_argument("--tokens", type=_ints, default=[32, 256], help="max new tokens (default 32,256)")
-    parser.add_argument("--parallel", type=int, default=32, help="completions decoded together when batched (default 32)")
-    parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: every CPU)")
-    parser.add_argument("--repeats", type=int, default=2, help="alternating runs of each path (default 2)")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the numbers to PATH")
-    args = parser.parse_args(argv)
-    if not args.engine.startswith("llamacpp"):
-        parser.error(f"--engine must be a llamacpp engine, got {args.engine!r}")
-    for name in ("prompts", "parallel", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
-    return args
+@dataclass(frozen=True)
+class EnginesBenchConfig:
+    engine: str = "llamacpp:q4_1"  # a llamacpp engine spec
+    prompts: int = 4  # prompts of the default task per call
+    k: tuple[int, ...] = (1, 4, 8, 16)  # completions per prompt
+    tokens: tuple[int, ...] = (32, 256)  # max new tokens
+    parallel: int = 32  # completions decoded together when batched
+    threads: Optional[int] = None  # llama.cpp threads; None: every CPU
+    repeats: int = 2  # alternating runs of each path
+    json: Optional[str] = None  # also write the numbers here
+
+    def __post_init__(self) -> None:
+        if parse_engine_spec(self.engine)[0] != "llamacpp":
+            raise ValueError(f"engine must be a llamacpp engine, got {self.engine!r}")
+        for name in ("k", "tokens"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must list positive integers, got {list(getattr(self, name))}")
+        for name in ("prompts", "parallel", "repeats"):
+            check_positive(name, getattr(self, name))
+        if self.threads is not None:
+            check_positive("threads", self.threads)
+
+
+FLAGS = (
+    Flag("--engine", "engine", "a llamacpp engine spec"),
+    Flag("--prompts", "prompts", "prompts of the default task per call"),
+    Flag("-k", "k", "completions per prompt, e.g. 1,4,8", many=True),
+    Flag("--tokens", "tokens", "max new tokens, e.g. 32,256", many=True),
+    Flag("--parallel", "parallel", "completions decoded together when batched"),
+    Flag("--threads", "threads", "llama.cpp threads (None: every CPU)"),
+    Flag("--repeats", "repeats", "alternating runs of each path"),
+    Flag("--json", "json", "also write the numbers to this path"),
+)
 
 
 def agreement(one, batched) -> tuple[float, float]:
@@ -60,7 +72,7 @@ def agreement(one, batched) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    config, _ = CommandLine("deployrl bench engines", EnginesBenchConfig, __doc__.split("\n\n")[0], FLAGS).parse(argv)
     from deployrl.config import default_task
     from deployrl.engines import make_engine
     from deployrl.engines.base import SamplingParams
@@ -72,39 +84,39 @@ def main(argv: list[str] | None = None) -> int:
     source = resolve_model("smollm2-135m")
     tokenizer = load_tokenizer(source)
     model = load_model(source).eval()
-    prompts = encode_prompts(tokenizer, [e.prompt for e in load_task(default_task()).examples[: args.prompts]])
-    engine = make_engine(args.engine, model, source, end_token_ids(tokenizer, model), threads=args.threads,
-                         parallel=args.parallel)
+    prompts = encode_prompts(tokenizer, [e.prompt for e in load_task(default_task()).examples[: config.prompts]])
+    engine = make_engine(config.engine, model, source, end_token_ids(tokenizer, model), threads=config.threads,
+                         parallel=config.parallel)
     threads = engine.runtime.threads
-    print(f"{args.engine} on SmolLM2-135M-Instruct, {len(prompts)} prompts of the default task, {threads} threads,"
-          f" {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; medians of {args.repeats} alternating runs")
+    print(f"{config.engine} on SmolLM2-135M-Instruct, {len(prompts)} prompts of the default task, {threads} threads,"
+          f" {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; medians of {config.repeats} alternating runs")
     header = (f"{'new tokens':>10} {'K':>3} {'tokens':>7} {'sequential tok/s':>17} {'batched tok/s':>14}"
               f" {'ratio':>6} {'identical':>10} {'max |dlogp| before':>19}")
     print(header)
     print("-" * len(header))
     rows = []
-    for max_new in args.tokens:
-        for k in args.k:
+    for max_new in config.tokens:
+        for k in config.k:
             params = SamplingParams(n=k, max_new_tokens=max_new, seed=0)
-            speeds = {1: [], args.parallel: []}
+            speeds = {1: [], config.parallel: []}
             batches = {}
-            for _ in range(args.repeats):
+            for _ in range(config.repeats):
                 for parallel in speeds:
                     engine.parallel = parallel
                     batches[parallel] = engine.generate(prompts, params)
                     speeds[parallel].append(batches[parallel].timing["tokens_per_s"])
-            one, batched = batches[1], batches[args.parallel]
+            one, batched = batches[1], batches[config.parallel]
             identical, gap = agreement(one, batched)
             row = {
                 "max_new_tokens": max_new, "k": k, "tokens": int(one.mask.sum()),
-                "sequential_tokens_per_s": median(speeds[1]), "batched_tokens_per_s": median(speeds[args.parallel]),
+                "sequential_tokens_per_s": median(speeds[1]), "batched_tokens_per_s": median(speeds[config.parallel]),
                 "identical": identical, "max_logp_gap_before_difference": gap,
             }
             row["ratio"] = row["batched_tokens_per_s"] / row["sequential_tokens_per_s"]
             rows.append(row)
             print(f"{max_new:>10} {k:>3} {row['tokens']:>7} {row['sequential_tokens_per_s']:>17.1f}"
                   f" {row['batched_tokens_per_s']:>14.1f} {row['ratio']:>5.2f}x {identical:>9.0%} {gap:>19.4f}", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"engine": args.engine, "threads": threads, "parallel": args.parallel,
+    if config.json:
+        Path(config.json).write_text(json.dumps({"engine": config.engine, "threads": threads, "parallel": config.parallel,
                                          "prompts": len(prompts), "rows": rows}, indent=2))
     return 0

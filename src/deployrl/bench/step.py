@@ -30,25 +30,27 @@ warm-up); with --steps 1, of that single step.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.metadata
 import importlib.util
 import os
 import platform
-import random
 import resource
 import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import psutil
 import torch
 
+from deployrl.algo._checks import check_positive
 from deployrl.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
+from deployrl.configcli import CommandLine, Flag
+from deployrl.registry import unknown_name_error
 
 HF_ROW = ["rollout.engine=hf:fp32", "algo.correction=none", "algo.dynamic_sampling=off"]
 HF_ROWS = {  # name -> (label, overrides on top of the command's), run on the dequantised model
@@ -108,12 +110,11 @@ def trl_settings(config, completions_per_micro_batch: int) -> dict[str, Any]:
 
 def prompt_order(config, count: int) -> list[int]:
     """The indices of the first `count` prompts deployrl's Trainer samples (its shuffled stream)."""
+    from deployrl.rollout import data_order
     from deployrl.tasks import load_task
 
-    size = len(load_task(config.task).examples)
-    order = list(range(size))
-    random.Random(config.seed).shuffle(order)  # as Trainer._data_order
-    return [order[i % size] for i in range(count)]
+    order = data_order(len(load_task(config.task).examples), config.seed)
+    return [order[i % len(order)] for i in range(count)]
 
 
 def trl_prompt(prompt, tokenizer):
@@ -190,7 +191,7 @@ def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_bat
     from deployrl.config import load_config
     from deployrl.models import load_tokenizer, resolve_model
     from deployrl.prompts import encode_prompts
-    from deployrl.rewards import score_completions
+    from deployrl.reward_sandbox import score_completions
     from deployrl.tasks import load_task
 
     threads = _set_threads(threads)
@@ -299,62 +300,81 @@ def summarise(result: dict[str, Any]) -> dict[str, float]:
     return {key: median([s[key] for s in steps]) for key in ("step_s", "generation_s", "update_s")}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="deployrl bench step",
-        description=(
-            "Seconds and peak memory per training step: deployrl with its hf:fp32 engine and PS-PPO off"
-            " (every token backpropagated, no mismatch correction) and on, deployrl as shipped (llama.cpp"
-            " Q4_1 with DC-GRPO + PS-PPO, for GGUF models), and with --vs trl TRL's GRPOTrainer (CPU,"
-            " fp32, transformers generate) on the same model, prompts, K, lengths and GRPO settings."
-            " Each configuration runs in a fresh process; reported: medians of the steps after the"
-            " first. The settings are the embedded default (SmolLM2-135M-Instruct, reasoning-gym"
-            " arithmetic, K=8, 4 prompts per step, 32 new tokens) plus the given overrides."
+@dataclass(frozen=True)
+class StepBenchConfig:
+    """The benchmark's own settings; the training settings are overrides of the embedded default."""
+
+    steps: int = 3  # training steps per configuration; the first is a warm-up when there are more
+    vs: Optional[str] = None  # trl: also run TRL's GRPOTrainer (pip install trl)
+    threads: Optional[int] = None  # torch (and llama.cpp) threads in every configuration; None: torch's default
+    model: str = "smollm2-135m"  # the smollm2-135m alias, a .gguf file or an HF folder
+    # where a GGUF model is dequantised to an fp32 HF folder, once (None: $XDG_CACHE_HOME/deployrl/bench
+    # or ~/.cache/deployrl/bench)
+    cache_dir: Optional[str] = None
+    # TRL completions per forward/backward (gradient accumulation makes up one step of all
+    # completions); 16 is about deployrl's 2048-token micro-batch at 32 new tokens
+    trl_micro_batch: int = 16
+    json: Optional[str] = None  # also write the raw numbers here
+
+    def __post_init__(self) -> None:
+        check_positive("steps", self.steps)
+        check_positive("trl_micro_batch", self.trl_micro_batch)
+        if self.threads is not None:
+            check_positive("threads", self.threads)
+        if self.vs is not None and self.vs != "trl":
+            raise unknown_name_error("framework to compare with", self.vs, ["trl"])
+
+
+FLAGS = (
+    Flag("--steps", "steps", "training steps per configuration; the first is a warm-up when there are more"),
+    Flag("--vs", "vs", "trl: also run TRL's GRPOTrainer (pip install trl)"),
+    Flag("--threads", "threads", "torch (and llama.cpp) threads in every configuration"),
+    Flag("--model", "model", "the smollm2-135m alias, a .gguf file or an HF folder"),
+    Flag("--cache-dir", "cache_dir", "where a GGUF model is dequantised to an fp32 HF folder, once"
+         " (None: $XDG_CACHE_HOME/deployrl/bench or ~/.cache/deployrl/bench)"),
+    Flag("--trl-micro-batch", "trl_micro_batch", "TRL completions per forward/backward (gradient accumulation makes"
+         " up one step of all completions); 16 is about deployrl's 2048-token micro-batch at 32 new tokens"),
+    Flag("--json", "json", "also write the raw numbers to this path"),
+)
+
+
+def parse_args(argv: list[str] | None) -> tuple[StepBenchConfig, list[str]]:
+    """(the benchmark's settings, the training overrides)."""
+    command_line = CommandLine(
+        "deployrl bench step", StepBenchConfig,
+        "Seconds and peak memory per training step: deployrl with its hf:fp32 engine and PS-PPO off"
+        " (every token backpropagated, no mismatch correction) and on, deployrl as shipped (llama.cpp"
+        " Q4_1 with DC-GRPO + PS-PPO, for GGUF models), and with --vs trl TRL's GRPOTrainer (CPU,"
+        " fp32, transformers generate) on the same model, prompts, K, lengths and GRPO settings."
+        " Each configuration runs in a fresh process; reported: medians of the steps after the"
+        " first. The settings are the embedded default (SmolLM2-135M-Instruct, reasoning-gym"
+        " arithmetic, K=8, 4 prompts per step, 32 new tokens) plus the given overrides.",
+        FLAGS, train_items=(
+            "key=value", "deployrl train config overrides for every row, e.g. rollout.max_new_tokens=64;"
+            " the hf rows then force their engine, correction, dynamic sampling and PS strategy",
         ),
     )
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="deployrl config overrides for every row, e.g. rollout.max_new_tokens=64;"
-                             " the hf rows then force their engine, correction, dynamic sampling and PS strategy")
-    parser.add_argument("--steps", type=int, default=3,
-                        help="training steps per configuration; the first is a warm-up when there are more (default 3)")
-    parser.add_argument("--vs", choices=["trl"], default=None, help="also run TRL's GRPOTrainer (pip install trl)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch (and llama.cpp) threads in every configuration (default: torch's default)")
-    parser.add_argument("--model", default="smollm2-135m",
-                        help="model: the smollm2-135m alias, a .gguf file or an HF folder (default smollm2-135m)")
-    parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="where a GGUF model is dequantised to an fp32 HF folder, once"
-                             " (default $XDG_CACHE_HOME/deployrl/bench or ~/.cache/deployrl/bench)")
-    parser.add_argument("--trl-micro-batch", type=int, default=16,
-                        help="TRL completions per forward/backward (gradient accumulation makes up one step of"
-                             " all completions); default 16, about deployrl's 2048-token micro-batch at 32 new tokens")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the raw numbers to PATH")
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be >= 1")
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be >= 1")
-    if args.trl_micro_batch < 1:
-        parser.error("--trl-micro-batch must be >= 1")
-    for item in args.overrides:
+    config, args = command_line.parse(argv)
+    for item in args.items:
         if "=" not in item or item.startswith("model.name="):
-            parser.error(f"{item!r}: expected a key=value config override (set the model with --model)")
-    return args
+            command_line.fail(f"{item!r}: expected a key=value config override (set the model with --model)")
+    return config, args.items
 
 
-def plan(args: argparse.Namespace) -> tuple[dict[str, list[str]], dict[str, Any]]:
+def plan(config: StepBenchConfig, overrides: list[str]) -> tuple[dict[str, list[str]], dict[str, Any]]:
     """Each deployrl row's overrides and validated config; raises on a bad model or setting."""
     from deployrl.config import load_config
 
-    model_dir, is_gguf = hf_model_dir(args.model, args.cache_dir or default_cache_dir())
-    rows = {name: [*args.overrides, f"model.name={model_dir}", *extra] for name, (_, extra) in HF_ROWS.items()}
+    load_config(None, overrides)  # the command's overrides, before a GGUF model is dequantised
+    model_dir, is_gguf = hf_model_dir(config.model, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+    rows = {name: [*overrides, f"model.name={model_dir}", *extra] for name, (_, extra) in HF_ROWS.items()}
     if is_gguf:
-        rows["as_shipped"] = [*args.overrides, f"model.name={args.model}"]
+        rows["as_shipped"] = [*overrides, f"model.name={config.model}"]
     else:  # the llama.cpp engine needs the model's own GGUF
         print("skipping 'deployrl as shipped': the llama.cpp engine needs a GGUF model", file=sys.stderr)
     configs = {name: load_config(None, overrides) for name, overrides in rows.items()}
-    if args.vs == "trl":
-        trl_settings(configs["ps_off"], args.trl_micro_batch)
+    if config.vs == "trl":
+        trl_settings(configs["ps_off"], config.trl_micro_batch)
     return rows, configs
 
 
@@ -385,38 +405,38 @@ def report(results: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    bench, overrides = parse_args(argv)
     from deployrl.configio import ConfigError
 
-    if args.vs == "trl" and importlib.util.find_spec("trl") is None:
+    if bench.vs == "trl" and importlib.util.find_spec("trl") is None:
         print("deployrl bench step: error: --vs trl needs TRL: pip install 'deployrl[bench]'", file=sys.stderr)
         return 2
     try:
-        rows, configs = plan(args)
+        rows, configs = plan(bench, overrides)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"deployrl bench step: error: {err}", file=sys.stderr)
         return 2
 
-    threads = args.threads or torch.get_num_threads()
+    threads = bench.threads or torch.get_num_threads()
     shared = configs["ps_off"]
     settings = (
-        f"- settings: model {args.model}, {shared.rollout.prompts_per_step} prompts x K={shared.rollout.group_size},"
+        f"- settings: model {bench.model}, {shared.rollout.prompts_per_step} prompts x K={shared.rollout.group_size},"
         f" {shared.rollout.max_new_tokens} new tokens, temperature {shared.rollout.temperature},"
         f" lr {shared.optim.lr}, aggregation {shared.algo.aggregation}, KL {shared.algo.kl_coef};"
-        f" {args.steps} steps per configuration"
+        f" {bench.steps} steps per configuration"
     )
-    header = [*environment(threads, args.vs == "trl"), settings]
+    header = [*environment(threads, bench.vs == "trl"), settings]
     print("\n".join(header), flush=True)
 
     jobs = {}
-    if args.vs == "trl":
-        jobs["trl"] = (TRL_LABEL, "measure_trl", {"overrides": rows["ps_off"], "micro_batch": args.trl_micro_batch})
+    if bench.vs == "trl":
+        jobs["trl"] = (TRL_LABEL, "measure_trl", {"overrides": rows["ps_off"], "micro_batch": bench.trl_micro_batch})
     for name, overrides in rows.items():
         jobs[name] = (label(name, configs[name]), "measure_deployrl", {"overrides": overrides})
     results = {}
     for name, (title, function, kwargs) in jobs.items():
         print(f"running {title} ...", file=sys.stderr, flush=True)
-        result = in_fresh_process(f"deployrl.bench.step:{function}", {**kwargs, "steps": args.steps, "threads": threads})
+        result = in_fresh_process(f"deployrl.bench.step:{function}", {**kwargs, "steps": bench.steps, "threads": threads})
         results[name] = {"label": title, **result, "median": summarise(result)}
 
     print()
@@ -426,12 +446,12 @@ def main(argv: list[str] | None = None) -> int:
         " PS plan, backward, optimizer, weight sync). peak MB: peak RSS during the steps above the RSS once"
         " everything is loaded; process peak MB: the whole process. Speed vs TRL: TRL's s/step / this s/step."
     )
-    if args.json is not None:
+    if bench.json is not None:
         import json
 
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"environment": header, "args": {
-            "steps": args.steps, "threads": threads, "model": args.model, "overrides": args.overrides,
-            "vs": args.vs, "trl_micro_batch": args.trl_micro_batch,
+        Path(bench.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(bench.json).write_text(json.dumps({"environment": header, "args": {
+            "steps": bench.steps, "threads": threads, "model": bench.model, "overrides": overrides,
+            "vs": bench.vs, "trl_micro_batch": bench.trl_micro_batch,
         }, "results": results}, indent=2) + "\n")
     return 0

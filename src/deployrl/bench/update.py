@@ -2,10 +2,10 @@
 
 Same model, same synthetic rollout batch, same machine, in one run: the update phase of
 full-trajectory GRPO, DAPO, S-GRPO and PS-PPO with each cutoff strategy at one token budget B,
-for several longest completion lengths T_max. The update phase is what `Trainer.step` does
-between rollout and weight sync, through the trainer's own code: `old_pass` (no-grad logp_old
-and proxies), `shaped_advantages`, `cutoff_plan`, and `update` (one PPO epoch, one mini-batch,
-so one optimizer step).
+for several longest completion lengths T_max. The update phase is what `Trainer.learn` does
+between rollout and weight sync, through the learner's public stages: `old_pass` (no-grad
+logp_old and proxies), `advantages`, `plan`, and `update` (one PPO epoch, one mini-batch, so one
+optimizer step).
 
 Fairness choices:
 * every method sees the same batch: per prompt group, K completions of random tokens with
@@ -32,20 +32,24 @@ set-up freed cannot be reused unseen by the update. The trainer keeps its model 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
 import json
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
+from deployrl.algo._checks import check_non_negative, check_positive
 from deployrl.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
+from deployrl.config import TrainConfig
+from deployrl.configcli import CommandLine, Flag
+from deployrl.configio import build, nest
+from deployrl.registry import unknown_name_error
 
 T_MAX = (512, 1024, 2048, 4096)
 GRPO = {"algo.ps.strategy": "full", "algo.aggregation": "seq_mean_token_mean", "algo.eps_high": 0.2}
@@ -89,18 +93,6 @@ class Settings:
         has room to take its shape instead of sitting on the floor.
         """
         return min(0.02, self.budget / (2 * t_max))
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """{"a.b": 1} -> {"a": {"b": 1}}."""
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        *sections, name = key.split(".")
-        node = out
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[name] = value
-    return out
 
 
 def config_overrides(
@@ -172,7 +164,7 @@ def synthetic_rollouts(examples: list, vocab: int, t_max: int, settings: Setting
     0/1 with K//2 ones per group, so no group has zero variance; logp_inf is uniform in [-3, 0].
     """
     from deployrl.engines.base import RolloutBatch
-    from deployrl.trainer import Rollouts
+    from deployrl.rollout import Rollouts
 
     g, k = settings.groups, settings.group_size
     rows = g * k
@@ -214,20 +206,23 @@ def warm_up(trainer, rollouts) -> None:
     from deployrl.models import token_logprobs
 
     assert trainer.config.optim.weight_decay == 0, "a zero-gradient step must not move the weights"
+    optimizer = trainer.learner.optimizer
     for p in trainer.model.parameters():
         p.grad = torch.zeros_like(p)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     batch = rollouts.batch
     short = batch.mask[:1, :16]  # [1, 16]: a few tokens of the first row
     token_logprobs(trainer.model, batch.prompt_ids[:1], batch.completion_ids[:1, :16], short).logp.sum().backward()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
 
 
 def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any], repeat: int = 0) -> dict[str, Any]:
     """Build a Trainer for `method`, time and measure one update phase on the synthetic batch."""
+    from deployrl.algo.discrepancy import token_discrepancy
     from deployrl.config import TrainConfig
     from deployrl.configio import build
+    from deployrl.engines.base import trainer_view
     from deployrl.trainer import Trainer
 
     s = Settings(**settings)
@@ -239,25 +234,27 @@ def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any
         config = build(TrainConfig, nest(overrides), origin="deployrl bench update")
         trainer = Trainer(config)
         rollouts = synthetic_rollouts(trainer.task.examples, trainer.model.config.vocab_size, t_max, s)
-        params = config.rollout.sampling(seed=0)  # as Trainer.step
+        batch, learner = rollouts.batch, trainer.learner
+        view = trainer_view(batch.semantics, config.rollout.sampling(seed=0))  # as Trainer.learn
         warm_up(trainer, rollouts)
         release_freed_memory()
-        with PeakMemory() as memory:
+        with PeakMemory() as memory:  # the stages of Trainer.learn before the weight sync
             start = time.perf_counter()
-            old = trainer.old_pass(rollouts, params)
+            old = learner.old_pass(rollouts, view)
             after_old = time.perf_counter()
-            advantages, weights, _ = trainer.shaped_advantages(rollouts, old)
-            plan = trainer.cutoff_plan(rollouts, old)
+            delta = token_discrepancy(old.logp, batch.logp_inf, batch.mask, config.algo.dc.signal)
+            advantages, weights = learner.advantages(rollouts, old, delta, trainer.dual.lam, trainer.dual.tolerance)
+            plan = learner.plan(rollouts, old)
             after_plan = time.perf_counter()
-            metrics = trainer.update(rollouts, old, advantages, weights, plan, params)
+            update = learner.update(rollouts, old, advantages, weights, plan, view)
             end = time.perf_counter()
         trainer.logger.close()
     return {
         "method": method, "t_max": t_max, "repeat": repeat, "seconds": end - start, "old_pass_s": after_old - start,
         "plan_s": after_plan - after_old, "graded_s": end - after_plan, "peak_bytes": memory.peak,
-        "tokens_graded": metrics["ps/tokens_graded"], "tokens_expected": metrics["ps/expected_kept"],
-        "tokens_total": metrics["ps/tokens_total"],
-        "graded_pass_tokens": metrics["ps/graded_pass_tokens"], "micro_batches": metrics["ps/micro_batches"],
+        "tokens_graded": update.tokens_graded, "tokens_expected": float(plan.expected_tokens),
+        "tokens_total": float(batch.mask.sum()),
+        "graded_pass_tokens": update.graded_pass_tokens, "micro_batches": update.micro_batches,
         "threads": torch.get_num_threads(), "xi_min": s.xi_min(t_max),
     }
 
@@ -306,64 +303,86 @@ HEADERS = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="deployrl bench update",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description=(
-            "Update-phase wall time, peak memory and backpropagated tokens of full GRPO, DAPO, S-GRPO and"
-            " PS-PPO (each cutoff strategy) on one synthetic rollout batch per T_max, through the trainer's"
-            " own old_pass / shaped_advantages / cutoff_plan / update (one PPO epoch, one optimizer step),"
-            " DC off for all. Each measurement runs in a fresh process; the table shows medians over"
-            " repeats and ratios to full GRPO (speed-up = grpo seconds / method seconds; memory = method"
-            " peak / grpo peak). CPU only: the trainer keeps its model on the CPU."
-        ),
-    )
-    parser.add_argument("--model", default="smollm2-135m", help="model spec (alias, HF directory or .gguf file)")
-    parser.add_argument("--layers", type=int, default=4, help="keep the first N decoder layers (0: all)")
-    parser.add_argument("--t-max", type=int, nargs="+", default=list(T_MAX), help="longest completion lengths")
-    parser.add_argument(
-        "--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="METHOD",
-        help=f"methods to measure, from: {', '.join(METHODS)} (ratios need {REFERENCE})",
-    )
-    parser.add_argument("--budget", type=float, default=128.0, help="PS-PPO / S-GRPO token budget B per completion")
-    parser.add_argument("--groups", type=int, default=1, help="prompt groups in the batch")
-    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt (K)")
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens of each (random) prompt")
-    parser.add_argument(
-        "--micro-batch-tokens", type=int, default=2048, help="kept tokens + each group's prompt once, per forward/backward (algo.micro_batch_tokens)"
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="measurements per (method, T_max); medians are shown")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per measurement; None: torch's default")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch; the cutoff draws use seed + repeat")
-    parser.add_argument("--json", type=Path, default=None, help="write settings and every raw measurement here")
-    parser.add_argument(
-        "--same-process", action="store_true",
-        help="measure in this process instead of a fresh one each time: quicker, but one measurement's"
-        " freed memory can hide the next one's peak (for smoke tests)",
-    )
-    args = parser.parse_args(argv)
-    if min(args.t_max) < 2 or args.repeats < 1 or args.layers < 0:
-        parser.error("--t-max must be >= 2, --repeats >= 1 and --layers >= 0")
+@dataclass(frozen=True)
+class UpdateBenchConfig(Settings):
+    """`deployrl bench update`: the shared Settings, plus which measurements and how."""
 
-    settings = Settings(
-        budget=args.budget, groups=args.groups, group_size=args.group_size, prompt_tokens=args.prompt_tokens,
-        micro_batch_tokens=args.micro_batch_tokens, seed=args.seed, threads=args.threads,
-    )
+    model: str = "smollm2-135m"  # model spec (alias, HF directory or .gguf file)
+    layers: int = 4  # keep the first N decoder layers (0: all)
+    t_max: tuple[int, ...] = T_MAX  # longest completion lengths
+    methods: tuple[str, ...] = tuple(METHODS)  # ratios need REFERENCE
+    repeats: int = 3  # measurements per (method, T_max); medians are shown
+    json: Optional[str] = None  # write settings and every raw measurement here
+    # measure in this process instead of a fresh one each time: quicker, but one measurement's
+    # freed memory can hide the next one's peak (for smoke tests)
+    same_process: bool = False
+
+    def __post_init__(self) -> None:
+        check_non_negative("layers", self.layers)
+        check_positive("repeats", self.repeats)
+        if self.threads is not None:
+            check_positive("threads", self.threads)
+        if not self.t_max or min(self.t_max) < 2:
+            raise ValueError(f"t_max must list lengths >= 2, got {list(self.t_max)}")
+        for method in self.methods:
+            if method not in METHODS:
+                raise unknown_name_error("method", method, list(METHODS))
+        for t_max in self.t_max:  # every measurement's TrainConfig is checked now, not in its own process
+            for method in self.methods:
+                overrides = config_overrides("model", method, t_max, self, "output")
+                build(TrainConfig, nest(overrides), origin=f"{method} at T_max {t_max}")
+
+    @property
+    def settings(self) -> Settings:
+        return Settings(**{f.name: getattr(self, f.name) for f in fields(Settings)})
+
+
+FLAGS = (
+    Flag("--model", "model", "model spec (alias, HF directory or .gguf file)"),
+    Flag("--layers", "layers", "keep the first N decoder layers (0: all)"),
+    Flag("--t-max", "t_max", "longest completion lengths", many=True),
+    Flag("--methods", "methods", f"methods to measure, from: {', '.join(METHODS)} (ratios need {REFERENCE})", many=True),
+    Flag("--budget", "budget", "PS-PPO / S-GRPO token budget B per completion"),
+    Flag("--groups", "groups", "prompt groups in the batch"),
+    Flag("--group-size", "group_size", "completions per prompt (K)"),
+    Flag("--prompt-tokens", "prompt_tokens", "tokens of each (random) prompt"),
+    Flag("--micro-batch-tokens", "micro_batch_tokens",
+         "kept tokens + each group's prompt once, per forward/backward (algo.micro_batch_tokens)"),
+    Flag("--repeats", "repeats", "measurements per (method, T_max); medians are shown"),
+    Flag("--threads", "threads", "torch threads per measurement; None: torch's default"),
+    Flag("--seed", "seed", "seed of the synthetic batch; the cutoff draws use seed + repeat"),
+    Flag("--json", "json", "write settings and every raw measurement here"),
+    Flag("--same-process", "same_process", "measure in this process instead of a fresh one each time: quicker, but"
+         " one measurement's freed memory can hide the next one's peak (for smoke tests)", const=True),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, _ = CommandLine(
+        "deployrl bench update", UpdateBenchConfig,
+        "Update-phase wall time, peak memory and backpropagated tokens of full GRPO, DAPO, S-GRPO and"
+        " PS-PPO (each cutoff strategy) on one synthetic rollout batch per T_max, through the trainer's"
+        " own old_pass / shaped_advantages / cutoff_plan / update (one PPO epoch, one optimizer step),"
+        " DC off for all. Each measurement runs in a fresh process; the table shows medians over"
+        " repeats and ratios to full GRPO (speed-up = grpo seconds / method seconds; memory = method"
+        " peak / grpo peak). CPU only: the trainer keeps its model on the CPU.",
+        FLAGS,
+    ).parse(argv)
+    settings = config.settings
 
     def call(function: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if args.same_process:
+        if config.same_process:
             return globals()[function](**kwargs)
         return in_fresh_process(f"{__name__}:{function}", kwargs)
 
     with tempfile.TemporaryDirectory(prefix="deployrl-bench-model-") as model_dir:
-        model = call("prepare_model", {"spec": args.model, "layers": args.layers, "directory": model_dir})
+        model = call("prepare_model", {"spec": config.model, "layers": config.layers, "directory": model_dir})
         print(
-            f"hardware: {cpu_name()}, {args.threads or torch.get_num_threads()} torch threads, torch {torch.__version__},"
+            f"hardware: {cpu_name()}, {config.threads or torch.get_num_threads()} torch threads, torch {torch.__version__},"
             f" device cpu{' (CUDA is available but the trainer does not use it)' if torch.cuda.is_available() else ''}"
         )
         print(
-            f"model: {args.model}, {model['layers']} of {model['of_layers']} decoder layers, vocab {model['vocab']},"
+            f"model: {config.model}, {model['layers']} of {model['of_layers']} decoder layers, vocab {model['vocab']},"
             f" hidden {model['hidden']}, {model['parameters'] / 1e6:.3g}M parameters, fp32"
         )
         print(
@@ -373,16 +392,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"update: 1 PPO epoch, 1 mini-batch, micro_batch_tokens={settings.micro_batch_tokens}, correction none"
-            f" (DC off), budget B={settings.budget:g}, xi_min=min(0.02, B/(2 T_max)), {args.repeats} repeat(s),"
-            f" {'one process' if args.same_process else 'a fresh process per measurement'}"
+            f" (DC off), budget B={settings.budget:g}, xi_min=min(0.02, B/(2 T_max)), {config.repeats} repeat(s),"
+            f" {'one process' if config.same_process else 'a fresh process per measurement'}"
         )
-        for method in args.methods:
+        for method in config.methods:
             print(f"  {method}: " + " ".join(f"{k}={v}" for k, v in METHODS[method].items()))
         results = []
-        total = args.repeats * len(args.t_max) * len(args.methods)
-        for repeat in range(args.repeats):  # interleaved, so slow spells of the machine hit every method
-            for t_max in args.t_max:
-                for method in args.methods:
+        total = config.repeats * len(config.t_max) * len(config.methods)
+        for repeat in range(config.repeats):  # interleaved, so slow spells of the machine hit every method
+            for t_max in config.t_max:
+                for method in config.methods:
                     result = call("measure_one", {
                         "model_dir": model_dir, "method": method, "t_max": t_max, "settings": asdict(settings),
                         "repeat": repeat,
@@ -394,18 +413,18 @@ def main(argv: list[str] | None = None) -> int:
                         file=sys.stderr,
                     )
     print()
-    print(table(HEADERS, summary_rows(results, args.methods, args.t_max)))
+    print(table(HEADERS, summary_rows(results, config.methods, config.t_max)))
     print(
         "\nspeed-up: grpo median seconds / method median seconds; memory: method median peak / grpo median peak;"
         " tokens backprop: completion tokens in the loss (median draw); expected backprop: their expectation, sum of xi;"
         " graded-pass tokens: prefix tokens + each group's prompt once per micro-batch, fed to the graded forward and backward."
     )
-    for note in draw_notes(results, args.methods, args.t_max):
+    for note in draw_notes(results, config.methods, config.t_max):
         print(note)
-    if args.json is not None:
-        args.json.write_text(json.dumps({
-            "settings": asdict(settings), "model": {**model, "spec": args.model}, "methods": args.methods,
-            "t_max": args.t_max, "repeats": args.repeats, "torch": torch.__version__, "cpu": cpu_name(),
+    if config.json is not None:
+        Path(config.json).write_text(json.dumps({
+            "settings": asdict(settings), "model": {**model, "spec": config.model}, "methods": config.methods,
+            "t_max": config.t_max, "repeats": config.repeats, "torch": torch.__version__, "cpu": cpu_name(),
             "measurements": results,
         }, indent=2))
     return 0

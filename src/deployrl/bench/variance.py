@@ -26,20 +26,25 @@ tokens of one completion and 0 across completions; for S-GRPO's independent toke
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
+from deployrl.algo.discrepancy import token_discrepancy
 from deployrl.algo.logprobs import SamplingView, processed_logits
-from deployrl.algo.losses import policy_loss
-from deployrl.algo.prefix import STRATEGIES, sample_plan
+from deployrl.algo.losses import batch_denominator, policy_loss
+from deployrl.algo.prefix import STRATEGIES, cutoff_law, law_weights, sample_plan
+from deployrl.algo._checks import check_positive
 from deployrl.bench.measure import cpu_name, table
+from deployrl.configcli import CommandLine, Flag
+from deployrl.configio import ConfigError, split_config_items
+from deployrl.registry import unknown_name_error
 
 BUDGETS = (32, 64, 128, 256)
 SAMPLED = ("uniform", "temporal", "heuristic", "optimized", "sgrpo")
@@ -113,11 +118,10 @@ def loss_coefficients(trainer, rollouts, old, advantages, weights) -> torch.Tens
     """a [B, T] = d loss / d logp_t at the sampling policy, for the trainer's own loss."""
     algo, mask = trainer.config.algo, rollouts.batch.mask
     logp = old.logp.clone().requires_grad_(True)
-    count = mask.sum() if algo.aggregation == "token_mean" else mask.shape[0]
     out = policy_loss(
         logp, old.logp, advantages, mask, weights, eps_low=algo.eps_low, eps_high=algo.eps_high,
         dual_clip=algo.dual_clip, aggregation=algo.aggregation, max_length=trainer.config.rollout.max_new_tokens,
-        denominator=count,
+        denominator=batch_denominator(algo.aggregation, mask),
     )
     (grad,) = torch.autograd.grad(out.loss, logp)
     return grad
@@ -125,12 +129,11 @@ def loss_coefficients(trainer, rollouts, old, advantages, weights) -> torch.Tens
 
 def collect_groups(trainer, groups: int, max_rounds: int):
     """Sample steps until `groups` prompt groups with unequal rewards are gathered."""
-    from deployrl.trainer import Rollouts, cat_rollouts
+    from deployrl.rollout import Rollouts
 
     parts = []
     for round_ in range(max_rounds):
-        parts.append(trainer.collect())
-        trainer.state.step += 1  # new prompts and seeds
+        parts.append(trainer.rollout.collect(trainer.stream, step=round_))  # new prompts and seeds each round
         kept = sum(len(p.examples) for p in parts)
         print(f"sampling round {round_ + 1}: mean reward {float(parts[-1].sampled_rewards.mean()):.2f},"
               f" {kept} of {groups} groups with unequal rewards", file=sys.stderr, flush=True)
@@ -139,13 +142,7 @@ def collect_groups(trainer, groups: int, max_rounds: int):
     parts = [p for p in parts if p.examples]
     if not parts:
         raise SystemExit(f"no prompt group with unequal rewards in {max_rounds} rounds: the gradient is zero")
-    return Rollouts(
-        batch=cat_rollouts([p.batch for p in parts]),
-        examples=[e for p in parts for e in p.examples],
-        rewards=torch.cat([p.rewards for p in parts]),
-        texts=[t for p in parts for t in p.texts],
-        sampled_rewards=torch.cat([p.sampled_rewards for p in parts]),
-    )
+    return Rollouts.cat(parts)
 
 
 def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: int, seed: int) -> dict:
@@ -156,9 +153,11 @@ def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: i
     cfg = trainer.config
     rollouts = collect_groups(trainer, groups, max_rounds)
     batch = rollouts.batch
-    params = cfg.rollout.sampling(seed=0)
-    old = trainer.old_pass(rollouts, params, strategies=("heuristic", "optimized"))
-    advantages, weights, _ = trainer.shaped_advantages(rollouts, old)
+    view = trainer_view(batch.semantics, cfg.rollout.sampling(seed=0))
+    learner, k = trainer.learner, batch.group_size
+    old = learner.old_pass(rollouts, view, proxies=("entropy", "grad_norm", "uncertainty"))
+    delta = token_discrepancy(old.logp, batch.logp_inf, batch.mask, cfg.algo.dc.signal)
+    advantages, weights = learner.advantages(rollouts, old, delta, trainer.dual.lam, trainer.dual.tolerance)
     coef = loss_coefficients(trainer, rollouts, old, advantages, weights)
     real = batch.mask.bool()
     row = torch.arange(real.shape[0])[:, None].expand_as(real)[real]
@@ -166,7 +165,7 @@ def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: i
         hidden = completion_hidden(trainer.model, batch.prompt_ids, batch.completion_ids, batch.mask)
         gram = head_gradient_gram(
             hidden[real], output_head(trainer.model).detach(), batch.completion_ids[real], coef[real],
-            trainer_view(batch.semantics, params),
+            view,
         )
     full_sq = float(gram.sum())
     lengths = batch.mask.sum(dim=1).float()
@@ -174,9 +173,9 @@ def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: i
     results = []
     for budget in budgets:
         for strategy in strategies:
-            ps = replace(cfg.algo.ps, strategy=strategy, budget=float(budget))
-            xi_groups = trainer.cutoff_law(rollouts, old, ps)
-            xi = xi_groups.repeat_interleave(batch.group_size, dim=0)[real]
+            xi_groups = cutoff_law(strategy, batch.mask, k, float(budget), cfg.algo.ps.xi_min,
+                                   law_weights(strategy, old.proxies(), k))
+            xi = xi_groups.repeat_interleave(k, dim=0)[real]
             independent = STRATEGIES.get(strategy).independent_tokens
             plans = [sample_plan(strategy, xi_groups, batch.mask, generator) for _ in range(draws)]
             sq_error, cosine = draw_errors(gram, torch.stack([p.weights[real] for p in plans]))
@@ -214,46 +213,76 @@ def report(numbers: dict, budgets, strategies) -> str:
     ])
 
 
+@dataclass(frozen=True)
+class VarianceBenchConfig:
+    """The benchmark's own settings; the run's are a `deployrl train` config and overrides."""
+
+    budgets: tuple[int, ...] = BUDGETS  # token budgets B per completion
+    strategies: tuple[str, ...] = SAMPLED
+    groups: int = 4  # prompt groups with unequal rewards to gather
+    max_rounds: int = 8  # sampling steps at most to gather them
+    draws: int = 512  # cutoff draws per strategy and budget
+    seed: int = 0
+    json: Optional[str] = None  # also write every number as JSON here
+
+    def __post_init__(self) -> None:
+        for budget in self.budgets:
+            check_positive("budgets", budget)
+        for strategy in self.strategies:
+            if strategy not in SAMPLED:
+                raise unknown_name_error("sampled cutoff strategy", strategy, list(SAMPLED))
+        for name in ("groups", "max_rounds", "draws"):
+            check_positive(name, getattr(self, name))
+
+
+FLAGS = (
+    Flag("--budgets", "budgets", "token budgets B per completion", many=True),
+    Flag("--strategies", "strategies", f"cutoff strategies, from: {', '.join(SAMPLED)}", many=True),
+    Flag("--groups", "groups", "prompt groups with unequal rewards to gather"),
+    Flag("--max-rounds", "max_rounds", "sampling steps at most to gather them"),
+    Flag("--draws", "draws", "cutoff draws per strategy and budget"),
+    Flag("--seed", "seed"),
+    Flag("--json", "json", "also write every number as JSON"),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="deployrl bench variance",
-        description=(
-            "Gradient variance and cosine similarity to the full-trajectory gradient of each cutoff law"
-            " (uniform, temporal, heuristic, optimized, S-GRPO) at equal token budgets, on real rollouts of"
-            " a run's model and engine. The gradient is the loss's gradient with respect to the output-head"
-            " matrix, computed exactly from per-token inner products (see the module docstring)."
+    command_line = CommandLine(
+        "deployrl bench variance", VarianceBenchConfig,
+        "Gradient variance and cosine similarity to the full-trajectory gradient of each cutoff law"
+        " (uniform, temporal, heuristic, optimized, S-GRPO) at equal token budgets, on real rollouts of"
+        " a run's model and engine. The gradient is the loss's gradient with respect to the output-head"
+        " matrix, computed exactly from per-token inner products (see the module docstring).",
+        FLAGS, train_items=(
+            "[config.yaml] [key=value ...]", "a `deployrl train` config and overrides (default: the embedded model and"
+            " engine on one-digit arithmetic worked step by step, up to 256 tokens)",
         ),
     )
-    parser.add_argument("items", nargs="*", metavar="[config.yaml] [key=value ...]",
-                        help="a `deployrl train` config and overrides (default: the embedded model and engine on"
-                             " one-digit arithmetic worked step by step, up to 256 tokens)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS), help="token budgets B per completion")
-    parser.add_argument("--strategies", nargs="+", default=list(SAMPLED), choices=list(SAMPLED))
-    parser.add_argument("--groups", type=int, default=4, help="prompt groups with unequal rewards to gather")
-    parser.add_argument("--max-rounds", type=int, default=8, help="sampling steps at most to gather them")
-    parser.add_argument("--draws", type=int, default=512, help="cutoff draws per strategy and budget")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="also write every number as JSON")
-    args = parser.parse_args(argv)
+    bench, args = command_line.parse(argv)
 
-    from deployrl.config import load_config, split_config_items
+    from deployrl.config import load_config
     from deployrl.trainer import Trainer
 
-    path, overrides = split_config_items(args.items)
-    defaults = [*BENCH_SETTINGS, *(() if path else TASK_DEFAULTS)]  # a config file keeps its own task
     with tempfile.TemporaryDirectory() as run_dir:
-        config = load_config(path, [*defaults, f"output_dir={run_dir}", *overrides])
+        try:
+            path, overrides = split_config_items(args.items)
+            defaults = [*BENCH_SETTINGS, *(() if path else TASK_DEFAULTS)]  # a config file keeps its own task
+            config = load_config(path, [*defaults, f"output_dir={run_dir}", *overrides])
+        except ConfigError as err:
+            command_line.fail(err)
         trainer = Trainer(config)
-        numbers = measure(trainer, args.budgets, args.strategies, args.draws, args.groups, args.max_rounds, args.seed)
+        numbers = measure(trainer, bench.budgets, bench.strategies, bench.draws, bench.groups, bench.max_rounds,
+                          bench.seed)
+        task_name = trainer.task.name
         trainer.logger.close()
     print(
-        f"{config.model.name} sampled by {config.rollout.engine}, task {config.task.name}:"
+        f"{config.model.name} sampled by {config.rollout.engine}, task {task_name}:"
         f" {numbers['groups']} groups x {config.rollout.group_size} completions, {numbers['tokens']} tokens"
         f" (mean length {numbers['mean_length']:.0f}, max {numbers['max_length']}), mean reward"
-        f" {numbers['reward_mean']:.2f}; {args.draws} draws per cell; {cpu_name()},"
+        f" {numbers['reward_mean']:.2f}; {bench.draws} draws per cell; {cpu_name()},"
         f" torch {torch.__version__}\n"
     )
-    print(report(numbers, args.budgets, args.strategies))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"config": path and str(path), "overrides": overrides, **numbers}, indent=2))
+    print(report(numbers, bench.budgets, bench.strategies))
+    if bench.json:
+        Path(bench.json).write_text(json.dumps({"config": path and str(path), "overrides": overrides, **numbers}, indent=2))
     return 0

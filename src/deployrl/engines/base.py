@@ -14,9 +14,10 @@ the same thing; comparing a processed log-prob with a raw one is a fake discrepa
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
 
 from deployrl.algo.logprobs import RAW, SamplingView
 from deployrl.registry import unknown_name_error
@@ -96,6 +97,34 @@ class RolloutBatch:
 
     def completions(self) -> list[list[int]]:
         return [row[: int(n)].tolist() for row, n in zip(self.completion_ids, self.lengths)]
+
+    def select(self, rows: torch.Tensor) -> "RolloutBatch":
+        """The rows where `rows` [B] (bool) is True, whole groups for a group-major batch."""
+        picked = rows.tolist()
+        return replace(
+            self,
+            prompt_ids=[p for p, keep in zip(self.prompt_ids, picked) if keep],
+            completion_ids=self.completion_ids[rows], logp_inf=self.logp_inf[rows], mask=self.mask[rows],
+            finish_reasons=[f for f, keep in zip(self.finish_reasons, picked) if keep],
+        )
+
+    @staticmethod
+    def cat(parts: list["RolloutBatch"]) -> "RolloutBatch":
+        """The rows of `parts` (same semantics and group size) one after the other, padded to the
+        widest; timings add up."""
+        width = max(p.completion_ids.shape[1] for p in parts)
+
+        def stacked(name: str) -> torch.Tensor:
+            return torch.cat([nn.functional.pad(getattr(p, name), (0, width - getattr(p, name).shape[1])) for p in parts])
+
+        return RolloutBatch(
+            prompt_ids=[p for b in parts for p in b.prompt_ids],
+            completion_ids=stacked("completion_ids"), logp_inf=stacked("logp_inf"), mask=stacked("mask"),
+            finish_reasons=[r for b in parts for r in b.finish_reasons],
+            semantics=parts[0].semantics,
+            group_size=parts[0].group_size,
+            timing={k: sum(b.timing.get(k, 0.0) for b in parts) for k in parts[0].timing},
+        )
 
 
 class MalformedRollouts(ValueError):

@@ -162,10 +162,9 @@ class HFEngine(RolloutEngine):
                 cache=cache, use_cache=True, logits_to_keep=1,
             )
             cache = out.cache
-            draw = sample_next(out.logits[:, -1], view, generators)
-            logp = draw.logp_processed if self.semantics == "processed" else draw.logp_raw
+            draw = sample_next(out.logits[:, -1], view, generators, self.semantics)
             tokens.append(draw.tokens)
-            logps.append(logp)
+            logps.append(draw.logp)
             lengths += (~finished).long()
             finished |= torch.isin(draw.tokens, stop_ids)
             if finished.all():

@@ -174,8 +174,9 @@ class LlamaCppEngine(RolloutEngine):
                     logits[row] = prompt_logits[row // k]
 
             rows = list(seq_of)
-            draw = sample_next(torch.stack([logits.pop(r) for r in rows]), params.view, [generators[r] for r in rows])
-            values = draw.logp_processed if self.semantics == "processed" else draw.logp_raw
+            draw = sample_next(torch.stack([logits.pop(r) for r in rows]), params.view, [generators[r] for r in rows],
+                               self.semantics)
+            values = draw.logp
             entries = []
             for row, token, value in zip(rows, draw.tokens.tolist(), values.tolist()):
                 completions[row].append(token)

@@ -18,12 +18,14 @@ from deployrl.algo.logprobs import SamplingView, processed_logits
 @dataclass
 class Draw:
     tokens: torch.Tensor  # [N] long
-    logp_processed: torch.Tensor  # [N] under the distribution sampled from
-    logp_raw: torch.Tensor  # [N] under the model's softmax
+    logp: torch.Tensor  # [N] under the distribution of `semantics` (engines/base.py)
 
 
-def sample_next(logits: torch.Tensor, view: SamplingView, generators: Sequence[torch.Generator]) -> Draw:
-    """Draw one token per row of logits [N, V] (any float dtype; computed in float32).
+def sample_next(
+    logits: torch.Tensor, view: SamplingView, generators: Sequence[torch.Generator], semantics: str = "processed"
+) -> Draw:
+    """Draw one token per row of logits [N, V] (any float dtype; computed in float32), and its
+    log-probability under the distribution sampled from (`processed`) or the model's softmax (`raw`).
 
     The rows are len(generators) equal consecutive blocks (a prompt's K completions, or one row
     each), each drawn with its own generator: one uniform u per row, and the token whose interval
@@ -36,9 +38,5 @@ def sample_next(logits: torch.Tensor, view: SamplingView, generators: Sequence[t
     block = logits.shape[0] // len(generators)
     u = torch.cat([torch.rand(block, generator=g, dtype=torch.float64) for g in generators])  # [N]
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=logits.shape[-1] - 1)  # [N, 1]
-    raw = logp if view.is_raw else logits.log_softmax(dim=-1)
-    return Draw(
-        tokens=tokens[:, 0],
-        logp_processed=logp.gather(-1, tokens)[:, 0],
-        logp_raw=raw.gather(-1, tokens)[:, 0],
-    )
+    reported = logp if semantics == "processed" or view.is_raw else logits.log_softmax(dim=-1)
+    return Draw(tokens=tokens[:, 0], logp=reported.gather(-1, tokens)[:, 0])
