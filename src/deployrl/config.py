@@ -15,9 +15,9 @@ from typing import Optional
 
 from deployrl.algo._checks import check_non_negative, check_positive
 from deployrl.algo.advantages import ADVANTAGES
-from deployrl.algo.discrepancy import CORRECTIONS, PENALTIES, SIGNALS, check_dual_settings
+from deployrl.algo.discrepancy import CORRECTIONS, PENALTIES, SIGNALS, check_cap, check_dual_settings
 from deployrl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, check_loss_settings
-from deployrl.algo.prefix import STRATEGIES, UNCERTAINTY_METRICS
+from deployrl.algo.prefix import STRATEGIES, UNCERTAINTY_METRICS, check_law_settings
 from deployrl.configio import Override, load
 from deployrl.engines import parse_engine_spec
 from deployrl.engines.base import SamplingParams
@@ -144,9 +144,7 @@ class PSConfig:
 
     def __post_init__(self) -> None:
         _choice("cutoff strategy", self.strategy, STRATEGIES.names())
-        check_positive("budget", self.budget)
-        if not 0 < self.xi_min <= 1:
-            raise ValueError(f"xi_min must lie in (0, 1], got {self.xi_min}")
+        check_law_settings(self.budget, self.xi_min)  # the law's own bounds
         _choice("uncertainty metric", self.uncertainty, UNCERTAINTY_METRICS)
 
 
@@ -179,9 +177,7 @@ class AlgoConfig:
         _choice("mismatch correction", self.correction, CORRECTIONS.names())
         _choice("dynamic sampling mode", self.dynamic_sampling, DYNAMIC_SAMPLING)
         check_loss_settings(self.eps_low, self.eps_high, self.dual_clip, self.kl_coef)  # the loss's own bounds
-        if self.correction == "mask" and not self.correction_cap > 1:
-            raise ValueError(f"correction_cap must be > 1 for the mask band, got {self.correction_cap}")
-        check_positive("correction_cap", self.correction_cap)
+        check_cap(self.correction, self.correction_cap)  # the correction's own bound
         check_positive("ppo_epochs", self.ppo_epochs)
         check_positive("mini_batches", self.mini_batches)
         check_positive("micro_batch_tokens", self.micro_batch_tokens)

@@ -44,6 +44,7 @@ class Correction:
 
     weights: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     constrained: bool = False
+    cap_above: float = 0.0  # the cap C must exceed this (tis: a weight cap > 0; mask: a band [1/C, C], C > 1)
 
 
 CORRECTIONS: Registry[Correction] = Registry("mismatch correction")
@@ -162,22 +163,19 @@ def tis_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> t
     No log-ratio bound is needed: an overflow to inf is clamped to `cap`, and the weights carry
     no gradient, so no 0 * inf can arise in a backward.
     """
-    check_positive("cap", cap)
     return torch.exp(logp_old - logp_inf).clamp(max=cap).detach()
 
 
 def mask_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
     """1 where exp(logp_old - logp_inf) lies in [1/cap, cap], else 0, [B, T]; compared in
     log space (no exponential), a NaN log-ratio gets 0."""
-    if not cap > 1:
-        raise ValueError(f"the mask band [1/cap, cap] needs cap > 1, got {cap}")
     log_ratio = (logp_old - logp_inf).detach()
     return (log_ratio.abs() <= math.log(cap)).to(logp_old.dtype)
 
 
 CORRECTIONS.register("none")(Correction(unit_weights))
 CORRECTIONS.register("tis")(Correction(tis_weights))
-CORRECTIONS.register("mask")(Correction(mask_weights))
+CORRECTIONS.register("mask")(Correction(mask_weights, cap_above=1.0))
 CORRECTIONS.register("dc")(Correction(unit_weights, constrained=True))
 
 
@@ -187,7 +185,15 @@ def correction_weights(
     """Per-token weights [B, T] of the mismatch correction `name` (1 for none and dc)."""
     correction = CORRECTIONS.get(name)
     check_same_shape(logp_old=logp_old, logp_inf=logp_inf)
+    check_cap(name, cap)
     return correction.weights(logp_old, logp_inf, cap)
+
+
+def check_cap(name: str, cap: float) -> None:
+    """The bound of the cap C of correction `name` (`Correction.cap_above`)."""
+    bound = CORRECTIONS.get(name).cap_above
+    if not cap > bound:
+        raise ValueError(f"the cap of the {name} correction must be > {bound:g} (cap > {bound:g}), got {cap}")
 
 
 def apply_correction(

@@ -156,6 +156,13 @@ def group_weight_sums(token_weights: torch.Tensor, mask: torch.Tensor, group_siz
     return w.sum(dim=1)
 
 
+def check_law_settings(budget: float, xi_min: float) -> None:
+    """The bounds of a cutoff law's settings: budget B > 0 and xi_min in (0, 1]."""
+    check_positive("budget", budget)
+    if not 0 < xi_min <= 1:
+        raise ValueError(f"xi_min must lie in (0, 1], got {xi_min}")
+
+
 def cutoff_law(
     strategy: str,
     mask: torch.Tensor,
@@ -174,9 +181,7 @@ def cutoff_law(
     check_ndim("mask", mask, 2, "[B, T] (completions x positions)")
     if group_size < 1 or mask.shape[0] % group_size:
         raise ValueError(f"mask has {mask.shape[0]} rows, not a multiple of group_size={group_size}")
-    check_positive("budget", budget)
-    if not 0 < xi_min <= 1:
-        raise ValueError(f"xi_min must lie in (0, 1], got {xi_min}")
+    check_law_settings(budget, xi_min)
     if spec.token_weights is not None:
         if token_weights is None:
             raise ValueError(f"cutoff strategy {strategy!r} needs token_weights [B, T]")
