@@ -39,6 +39,8 @@ def default_task() -> ReasoningGymTask:
         name="basic_arithmetic", rg_config=dict(EASY_ARITHMETIC), size=2000, instruction="Answer with only the final number."
     )
 SCHEDULES = ("constant", "cosine")
+# the attention and MLP projections of Llama, Qwen and Mistral models (peft matches name suffixes)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
 ENGINE_RANKS = ("all", "main")
 MAX_SEED = 2**32 - 1  # numpy's seed range, the narrowest of the generators a run seeds
@@ -50,6 +52,24 @@ def _choice(kind: str, value: str, valid) -> None:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters through peft: the base stays frozen at the deployed weights, only adapters train."""
+
+    rank: int = 0  # r; 0: off, full fine-tuning
+    alpha: float = 16.0  # the adapter's scale is alpha / rank
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = LORA_TARGETS  # Llama/Qwen/Mistral names of the adapted linear layers
+
+    def __post_init__(self) -> None:
+        check_non_negative("rank", self.rank)
+        check_positive("alpha", self.alpha)
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+        if self.rank and not self.target_modules:
+            raise ValueError("target_modules is empty: name the linear layers to adapt, e.g. [q_proj, v_proj]")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The trainer's model."""
 
@@ -58,6 +78,7 @@ class ModelConfig:
     activation_checkpointing: bool = False  # recompute decoder activations in the backward
     trust_remote_code: bool = False  # never on by default: it runs code from the model repo
     chunk_tokens: int = 1024  # tokens per output-head chunk; no [batch, seq, vocab] tensor
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         _choice("training dtype", self.dtype, DTYPES)

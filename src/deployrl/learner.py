@@ -164,8 +164,9 @@ class Learner:
             for scorer in filter(None, (self.scorer, self.ref_scorer)):
                 shard(scorer, decoder_blocks(scorer.model), world, DTYPES[config.model.dtype])
         optim = config.optim
+        trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapters only
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay
+            trainable, lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, config.steps))
         self.generator = torch.Generator().manual_seed(config.seed)

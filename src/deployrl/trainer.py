@@ -59,6 +59,7 @@ from deployrl.engines.base import trainer_view
 from deployrl.engines.check import reference_logprobs
 from deployrl.errors import NonFiniteError, StopSignals, TrainingInterrupted
 from deployrl.learner import Learner, UpdateResult
+from deployrl.lora import add_lora
 from deployrl.models import load_model, load_tokenizer, resolve_model
 from deployrl.rollout import PromptStream, Rollouts, RolloutWorker
 from deployrl.runlog import EVENTS, RunLogger, SilentLogger, check_writable, format_postfix, progress
@@ -91,6 +92,9 @@ class Trainer:
         if len(self.task.examples) < config.rollout.prompts_per_step:
             raise ValueError(f"task {self.task.name} has {len(self.task.examples)} examples, fewer than"
                              f" rollout.prompts_per_step={config.rollout.prompts_per_step}")
+        if config.model.lora.rank and self.world.distributed:
+            raise ValueError("model.lora is not yet supported under torchrun (FSDP2 with frozen base weights is"
+                             " untested): train adapters in one process, or set model.lora.rank=0")
         self.run_dir = Path(config.output_dir)
         if self.world.is_main:
             check_writable(self.run_dir)  # before the model loads: an unwritable directory fails in seconds
@@ -99,6 +103,9 @@ class Trainer:
         self.model = load_model(
             self.source, config.model.dtype, config.model.activation_checkpointing, config.model.trust_remote_code
         ).to(self.world.device)
+        lora = config.model.lora
+        if lora.rank:  # the base stays frozen at the weights the engine deploys; only adapters train
+            add_lora(self.model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
         # the engine copies the whole model, before the learner shards it
         self.rollout = RolloutWorker(config, self.task, self.tokenizer, self.model, self.source, self.world,
                                      SilentLogger(), self.engine_weights)

@@ -33,6 +33,7 @@ def _build_hf(option, model, source, eos_token_ids, context_length, threads, par
 
 def _build_llamacpp(option, model, source: ModelSource, eos_token_ids, context_length, threads, parallel):
     from deployrl.engines.llamacpp import LlamaCppEngine
+    from deployrl.lora import adapter_scales
 
     if source.gguf_path is None:
         raise ValueError(
@@ -41,7 +42,7 @@ def _build_llamacpp(option, model, source: ModelSource, eos_token_ids, context_l
         )
     return LlamaCppEngine(
         model.state_dict(), model.config, source.gguf_path, option, eos_token_ids, n_ctx=context_length or 2048,
-        threads=threads, parallel=parallel,
+        threads=threads, parallel=parallel, adapter_scales=adapter_scales(model),
     )
 
 

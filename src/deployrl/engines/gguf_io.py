@@ -12,6 +12,9 @@ re-encoded from the trainer's weights with `gguf`'s own quantisers:
 
 Llama's q/k projections are stored in GGUF with the rotary halves interleaved; transformers
 undoes that on load, so it is redone here (the permutation of llama.cpp's convert_hf_to_gguf).
+
+`write_gguf_adapter` writes LoRA adapters in llama.cpp's adapter format, for a base GGUF
+written (or shipped) once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deployrl.lora import Adapter
 from deployrl.registry import unknown_name_error
 
 FILE_TYPES = {  # name -> (tensor type, general.file_type)
@@ -91,6 +95,25 @@ class GGUFTemplate:
         return cls(Path(path), reader.fields["general.architecture"].contents(), fields, tensors)
 
 
+def _tensor_names(arch: str, layers: int, where: Path | str):
+    """gguf's map from HF tensor names to GGUF ones for `arch`."""
+    import gguf
+
+    arch_enum = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch)
+    if arch_enum is None:
+        raise ValueError(f"{where}: architecture {arch!r} is unknown to the gguf package")
+    return gguf.get_tensor_name_map(arch_enum, layers)
+
+
+def _gguf_rows(name: str, rows: np.ndarray, config, arch: str) -> np.ndarray:
+    """`rows` [out, ...] of GGUF tensor `name` in GGUF's order (Llama's q/k heads interleaved)."""
+    if arch in PERMUTED_ARCHS and name.endswith("attn_q.weight"):
+        return interleave_rotary(rows, config.num_attention_heads)
+    if arch in PERMUTED_ARCHS and name.endswith("attn_k.weight"):
+        return interleave_rotary(rows, config.num_key_value_heads)
+    return rows
+
+
 def write_gguf(
     state_dict: dict[str, torch.Tensor], config, template: Path | GGUFTemplate, out: Path, file_type: str
 ) -> Path:
@@ -103,10 +126,7 @@ def write_gguf(
     if not isinstance(template, GGUFTemplate):
         template = GGUFTemplate.read(template)
     arch = template.arch
-    arch_enum = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch)
-    if arch_enum is None:
-        raise ValueError(f"{template.path}: architecture {arch!r} is unknown to the gguf package")
-    names = gguf.get_tensor_name_map(arch_enum, config.num_hidden_layers)
+    names = _tensor_names(arch, config.num_hidden_layers, template.path)
     by_gguf_name = {}
     for hf_name, value in state_dict.items():
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -122,7 +142,6 @@ def write_gguf(
             value = type(value)(overrides[key])
         writer.add_key_value(key, value, value_type, sub_type=sub_type)
 
-    n_head, n_head_kv = config.num_attention_heads, config.num_key_value_heads
     template_blocks = sum(1 for name, _ in template.tensors if name.endswith("attn_q.weight"))
     if config.num_hidden_layers > template_blocks:
         raise ValueError(
@@ -135,11 +154,7 @@ def write_gguf(
         if name not in by_gguf_name:
             raise ValueError(f"{template.path}: tensor {name} has no counterpart in the model's weights")
         hf_name, value = by_gguf_name[name]
-        data = value.detach().to(torch.float32).cpu().numpy()
-        if arch in PERMUTED_ARCHS and name.endswith("attn_q.weight"):
-            data = interleave_rotary(data, n_head)
-        elif arch in PERMUTED_ARCHS and name.endswith("attn_k.weight"):
-            data = interleave_rotary(data, n_head_kv)
+        data = _gguf_rows(name, value.detach().to(torch.float32).cpu().numpy(), config, arch)
         if data.ndim == 1:
             qtype = gguf.GGMLQuantizationType.F32
         elif name == "token_embd.weight" and file_type not in FLOAT_TYPES:
@@ -148,6 +163,41 @@ def write_gguf(
             qtype = tensor_type
         encoded = gguf.quants.quantize(data, qtype)
         writer.add_tensor(name, encoded, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out)
+    return out
+
+
+def write_gguf_adapter(adapters: dict[str, Adapter], config, arch: str, out: Path) -> Path:
+    """Write LoRA `adapters` ({HF module name: Adapter}) as a llama.cpp GGUF LoRA adapter; atomic.
+
+    Tensors `<gguf weight name>.lora_a` [r, in] and `.lora_b` [out, r] in float32 (llama.cpp's
+    layout, the same as peft's); each B is multiplied by its scale alpha / r and
+    `adapter.lora.alpha` is set to r, so llama.cpp (which scales by alpha / r) applies exactly
+    the trainer's scale, and `llama-cli -m base.gguf --lora adapter.gguf` needs no --lora-scaled.
+    Llama's q/k rows are interleaved as in the base GGUF.
+    """
+    import gguf
+
+    names = _tensor_names(arch, config.num_hidden_layers, out)
+    ranks = {adapter.a.shape[0] for adapter in adapters.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"a GGUF adapter holds one rank (adapter.lora.alpha is per file), got ranks {sorted(ranks)}")
+    tmp = out.with_name(out.name + ".tmp")
+    writer = gguf.GGUFWriter(tmp, arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(ranks.pop()))
+    for module, adapter in adapters.items():
+        name = names.get_name(module + ".weight", try_suffixes=(".weight",))
+        if name is None:
+            raise ValueError(f"adapted layer {module} has no GGUF counterpart for architecture {arch}")
+        b = _gguf_rows(name, (adapter.b.detach().float() * adapter.scale).cpu().numpy(), config, arch)
+        writer.add_tensor(name + ".lora_a", np.ascontiguousarray(adapter.a.detach().float().cpu().numpy()))
+        writer.add_tensor(name + ".lora_b", np.ascontiguousarray(b))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -23,6 +23,7 @@ from torch import nn
 
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
 from deployrl.engines.sampling import sample_next
+from deployrl.lora import is_adapter_name
 from deployrl.registry import unknown_name_error
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -92,13 +93,15 @@ def scaled_mm_runs(device: torch.device) -> bool:
 
 
 def to_fp8(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear except the output head by an FP8Linear (in place)."""
+    """Replace every nn.Linear except the output head and LoRA adapters by an FP8Linear (in place)."""
     head = model.get_output_embeddings()
     device = next(model.parameters()).device
     use_scaled_mm = scaled_mm_runs(device)
     if device.type == "cuda" and not use_scaled_mm:
         warnings.warn("no FP8 matmul on this GPU: the fp8 engine dequantises its weights (W8A16)")
-    for module in list(model.modules()):
+    for name, module in list(model.named_modules()):
+        if is_adapter_name(name):  # LoRA adapters keep the engine's compute precision (bf16)
+            continue
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child is not head:
                 setattr(module, child_name, FP8Linear(child, use_scaled_mm))

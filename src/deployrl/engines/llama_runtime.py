@@ -113,7 +113,7 @@ class LlamaRuntime:
         self.flags = cpu_flags() if flags is None else frozenset(flags)
         self.threads = threads or default_threads()
         self.n_batch = n_batch
-        self.model = self.ctx = self.batch = None
+        self.model = self.ctx = self.batch = self.adapter = None
 
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
@@ -144,8 +144,32 @@ class LlamaRuntime:
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
 
+    def set_adapter(self, path: Optional[Path]) -> None:
+        """Apply the GGUF LoRA adapter at `path` at scale 1 in place of the current one (None: none),
+        and free the old one: the model stays loaded. The KV cache is cleared (it holds keys and
+        values of the old weights)."""
+        adapter = None
+        if path is not None:
+            adapter = self._lib.llama_adapter_lora_init(self.model, str(path).encode())
+            if not adapter:
+                raise LlamaError(f"llama.cpp could not load the LoRA adapter {path} onto {self.path.name}")
+            adapters = (self._lib.llama_adapter_lora_p_ctypes * 1)(adapter)
+            scales = (ctypes.c_float * 1)(1.0)
+            status = self._lib.llama_set_adapters_lora(self.ctx, adapters, 1, scales)
+        else:
+            status = self._lib.llama_set_adapters_lora(self.ctx, None, 0, None)
+        if status != 0:
+            raise LlamaError(f"llama.cpp could not apply the LoRA adapter {path} (status {status})")
+        if self.adapter:
+            self._lib.llama_adapter_lora_free(self.adapter)
+        self.adapter = adapter
+        self.clear()
+
     def close(self) -> None:
         lib = self._lib
+        if self.adapter:
+            lib.llama_adapter_lora_free(self.adapter)
+            self.adapter = None
         if self.batch is not None:
             lib.llama_batch_free(self.batch)
             self.batch = None

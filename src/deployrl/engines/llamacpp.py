@@ -5,7 +5,9 @@ Q4_0, Q4_1): the engine a user deploys on a CPU. deployrl's shared sampler draws
 logits, so `logp_inf` is exactly the log-probability of the distribution sampled from.
 
 `sync` re-encodes the trainer's weights into a GGUF of the engine's type (`gguf_io`), then
-reloads llama.cpp through `LlamaRuntime` (no AMX kernels, see llama_runtime.py).
+reloads llama.cpp through `LlamaRuntime` (no AMX kernels, see llama_runtime.py). A model with
+LoRA adapters (`model.lora`) keeps its base GGUF loaded: each sync writes the adapters as a GGUF
+LoRA adapter (`adapter_scales`: alpha / r per adapted layer) and swaps it in.
 
 Generation is batched: each prompt is evaluated once into one sequence of a unified KV cache
 and shared with its other completions (`copy_sequence`, no data copied); then every
@@ -26,9 +28,10 @@ from typing import Optional
 import torch
 
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
-from deployrl.engines.gguf_io import FILE_TYPES, GGUFTemplate, write_gguf
+from deployrl.engines.gguf_io import FILE_TYPES, GGUFTemplate, write_gguf, write_gguf_adapter
 from deployrl.engines.llama_runtime import LlamaRuntime
 from deployrl.engines.sampling import sample_next
+from deployrl.lora import split_adapter
 from deployrl.registry import unknown_name_error
 
 CACHE_GRANULE = 256  # KV cells are allocated in multiples of this, so small changes reuse the context
@@ -47,6 +50,7 @@ class LlamaCppEngine(RolloutEngine):
         n_ctx: int = 2048,
         threads: Optional[int] = None,
         parallel: int = 32,
+        adapter_scales: Optional[dict[str, float]] = None,
     ) -> None:
         try:
             import llama_cpp  # noqa: F401
@@ -66,6 +70,9 @@ class LlamaCppEngine(RolloutEngine):
         self.parallel = parallel
         self._dir = tempfile.TemporaryDirectory(prefix="deployrl-gguf-")
         self.path = Path(self._dir.name) / f"model.{file_type}.gguf"
+        self.adapter_file = Path(self._dir.name) / "adapter.gguf"
+        self.adapter_scales = dict(adapter_scales or {})
+        self.adapter_path: Optional[Path] = None  # the adapter applied, once there is one
         self.runtime: Optional[LlamaRuntime] = None
         self.sync(state_dict)
 
@@ -74,10 +81,16 @@ class LlamaCppEngine(RolloutEngine):
         return self.n_ctx
 
     def sync(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Take the trainer's weights. With LoRA adapters (peft names) the base is frozen: it is
+        written and loaded once, and each sync writes only the adapter file and swaps it in."""
         start = time.perf_counter()
-        write_gguf(state_dict, self.config, self.template, self.path, self.file_type)
-        cells = self.runtime.n_ctx if self.runtime is not None else self.n_ctx
-        self._load(cells)
+        base, adapters = split_adapter(state_dict, self.adapter_scales)
+        if self.runtime is None or not adapters:
+            write_gguf(base, self.config, self.template, self.path, self.file_type)
+            self._load(self.runtime.n_ctx if self.runtime is not None else self.n_ctx)
+        if adapters:
+            self.adapter_path = write_gguf_adapter(adapters, self.config, self.template.arch, self.adapter_file)
+            self.runtime.set_adapter(self.adapter_path)
         self.last_sync_s = time.perf_counter() - start
 
     def _load(self, cells: int) -> None:
@@ -85,6 +98,8 @@ class LlamaCppEngine(RolloutEngine):
             self.runtime.close()  # free the old model before loading the new one
         self.runtime = None
         self.runtime = LlamaRuntime(self.path, n_ctx=cells, n_seq=self.parallel, threads=self.threads)
+        if self.adapter_path is not None:
+            self.runtime.set_adapter(self.adapter_path)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         return self.runtime.score(token_ids)
