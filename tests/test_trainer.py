@@ -8,7 +8,7 @@ import torch
 
 from deployrl.config import load_config
 from deployrl.configio import ConfigError
-from deployrl.engines.base import trainer_view
+from deployrl.engines.base import SamplingParams, trainer_view
 from deployrl.learner import micro_batches
 from deployrl.trainer import Trainer
 
@@ -222,6 +222,42 @@ def test_eval_command_scores_a_task(tiny_dir, tmp_path, capsys):
     assert "basic_arithmetic" in capsys.readouterr().out
     scores = json.loads(out.read_text())
     assert scores["problems"] == 3 and 0 <= scores["pass@1"] <= scores["pass@2"] <= 1
+
+
+def test_eval_stops_at_either_end_token_of_the_generation_config(tiny_dir, tmp_path):
+    """A model whose generation_config lists two end tokens: `deployrl eval` stops at whichever comes first."""
+    import json
+    import shutil
+
+    from deployrl.cli import main as cli
+    from deployrl.engines.hf import HFEngine
+    from deployrl.models import load_model, load_tokenizer, resolve_model
+    from deployrl.prompts import encode_prompts
+    from deployrl.tasks import ReasoningGymTask, load_task
+
+    task = ReasoningGymTask(name="basic_arithmetic", seed=1)
+    source = resolve_model(str(tiny_dir))
+    tokenizer = load_tokenizer(source)
+    prompt = encode_prompts(tokenizer, [load_task(task).examples[0].prompt])
+    greedy = HFEngine(load_model(source, "fp32", False, False), "fp32", [tokenizer.eos_token_id]).generate(
+        prompt, SamplingParams(top_k=1, max_new_tokens=12)).completions()[0]
+    firsts = [t for i, t in enumerate(greedy) if t not in greedy[:i]]  # each token where it first appears
+    assert len(firsts) >= 3, greedy
+    early, late = firsts[1], firsts[2]  # tokens that greedy decoding reaches at positions i < j
+    never = next(t for t in range(3, 100) if t not in greedy)
+
+    def eval_length(end_tokens: list[int]) -> float:
+        model_dir = tmp_path / f"model-{'-'.join(map(str, end_tokens))}"
+        shutil.copytree(tiny_dir, model_dir)
+        config = json.loads((model_dir / "generation_config.json").read_text())
+        (model_dir / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": end_tokens}))
+        out = model_dir / "scores.json"
+        assert cli(["eval", "--model", str(model_dir), "--engine", "hf:fp32", "--task", "basic_arithmetic",
+                    "--num-prompts", "1", "--greedy", "--max-new-tokens", "12", "--json", str(out)]) == 0
+        return json.loads(out.read_text())["mean_length"]
+
+    assert eval_length([late, early]) == greedy.index(early) + 1  # the first of the two reached
+    assert eval_length([never, late]) == greedy.index(late) + 1  # the other one stops it too
 
 
 def test_old_pass_in_micro_batches_equals_one_pass(tmp_path, tiny_dir):
