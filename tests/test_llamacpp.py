@@ -167,3 +167,31 @@ def test_batched_decoding_samples_what_one_at_a_time_samples(model, template, fi
     # than that precision lets each differ from the model (measured here: 3e-4 for f32, 6e-3 for q4_1)
     bound = GAP_BOUNDS[engine.name]
     torch.testing.assert_close(batched.logp_inf[same], one.logp_inf[same], atol=bound, rtol=0)
+
+
+def test_kernel_self_check_follows_a_trainer_off_the_quantisation_grid(template):
+    """Full fine-tuning moves the trainer off the Q4_1 grid, and the re-quantised file cannot
+    follow (docs/training.md): the check compares the engine with the trainer's model on the
+    weights the file holds, so that drift is not mistaken for broken kernels."""
+    from deployrl.engines.check import check_ids, reference_on
+    from deployrl.models import load_tokenizer
+    from tiny import tiny_model
+
+    model = tiny_model("llama", vocab_size=49152, hidden_size=64, init_std=0.05)
+    ids = check_ids(load_tokenizer(resolve_model("smollm2-135m")), 49152)
+    engine = LlamaCppEngine(model.state_dict(), model.config, template, "q4_1", EOS, n_ctx=256)
+    on_grid = engine.take_quantised_weights()
+    assert engine.take_quantised_weights() is None  # handed over once
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a drift the grid cannot represent: half a quantisation step per weight
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+    engine.sync(model.state_dict())
+    quantised = engine.take_quantised_weights()
+    assert set(quantised) == set(on_grid) and any(not torch.equal(quantised[n], on_grid[n]) for n in quantised)
+    trainer = reference_logprobs(model, ids)
+    naive = float((engine.score(ids) - trainer).abs().mean())
+    held = float((engine.score(ids) - reference_on(model, quantised, ids)).abs().mean())
+    assert held < naive / 2, (held, naive)  # the kernels' own gap, without the rounding of the weights
+    assert torch.equal(reference_logprobs(model, ids), trainer)  # the trainer's own weights are back

@@ -26,7 +26,7 @@ from deployrl.config import TrainConfig
 from deployrl.distributed import World, all_gather_rows, all_reduce_sum, any_rank, contiguous_shares, gather_in_order
 from deployrl.engines import make_engine
 from deployrl.engines.base import SEMANTICS, RolloutBatch, RolloutEngine, SamplingParams, check_rollouts, pad_rollouts
-from deployrl.engines.check import check_engine, check_ids, reference_logprobs
+from deployrl.engines.check import check_engine, check_ids, reference_logprobs, reference_on
 from deployrl.errors import EngineError, EngineTimeout, RewardFailure
 from deployrl.models import ModelSource, end_token_ids, load_model, output_head
 from deployrl.prompts import encode_prompts
@@ -166,8 +166,14 @@ class RolloutWorker:
             self.check_kernels(self.engine)
 
     def check_kernels(self, engine: RolloutEngine) -> None:
-        """The engine's kernel self-check against the trainer's current weights (KernelMismatch)."""
-        gap = check_engine(engine, self.reference, self.check_ids)
+        """The engine's kernel self-check against the trainer's current weights (KernelMismatch); for
+        a quantised file, against the trainer's model on the weights the file holds (one process:
+        a sharded model cannot take them)."""
+        quantised = engine.take_quantised_weights()
+        reference = self.reference
+        if quantised is not None and not self.world.distributed:
+            reference = reference_on(self.model, quantised, self.check_ids)
+        gap = check_engine(engine, reference, self.check_ids)
         log.debug("kernel self-check of %s: mean |logp gap| %.4f", engine.name, gap)
 
     def collect(self, stream: PromptStream, step: int) -> Rollouts:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field, replace
+from typing import Optional
 
 import torch
 from torch import nn
@@ -221,6 +222,13 @@ class RolloutEngine(abc.ABC):
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """log p(token_ids[t] | token_ids[:t]) for t >= 1, [len - 1] float32, under the engine's raw
         softmax: what the kernel self-check (engines/check.py) compares with the trainer."""
+
+    def take_quantised_weights(self) -> Optional[dict[str, torch.Tensor]]:
+        """The weights (HF names) the last sync left the engine computing with, where its format
+        rounds them far beyond its kernels' own error (a quantised GGUF), once; None otherwise.
+        The kernel self-check compares the engine with the trainer's model on these weights, so
+        that a trainer drifting off the quantisation grid is not mistaken for broken kernels."""
+        return None
 
     @property
     @abc.abstractmethod

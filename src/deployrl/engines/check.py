@@ -46,6 +46,19 @@ def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
     return token_logprobs(model, [ids[:1]], completion, mask).logp[0].float().cpu()
 
 
+@torch.no_grad()
+def reference_on(model, weights: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
+    """`reference_logprobs` of `model` computed with `weights` (HF names) in place of its own,
+    which are restored afterwards."""
+    own = model.state_dict()
+    saved = {name: own[name].clone() for name in weights}
+    model.load_state_dict(weights, strict=False)
+    try:
+        return reference_logprobs(model, ids)
+    finally:
+        model.load_state_dict(saved, strict=False)
+
+
 def check_engine(engine, reference: torch.Tensor, ids: list[int]) -> float:
     """The mean |logp| gap of `engine` against the trainer's `reference` on `ids`; KernelMismatch
     if it exceeds the engine's bound."""

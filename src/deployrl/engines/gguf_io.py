@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -115,9 +116,13 @@ def _gguf_rows(name: str, rows: np.ndarray, config, arch: str) -> np.ndarray:
 
 
 def write_gguf(
-    state_dict: dict[str, torch.Tensor], config, template: Path | GGUFTemplate, out: Path, file_type: str
+    state_dict: dict[str, torch.Tensor], config, template: Path | GGUFTemplate, out: Path, file_type: str,
+    held: Optional[dict[str, torch.Tensor]] = None,
 ) -> Path:
-    """Write `state_dict` (HF names) as a GGUF of `file_type` shaped like `template`; atomic."""
+    """Write `state_dict` (HF names) as a GGUF of `file_type` shaped like `template`; atomic.
+
+    `held`, when given, receives every tensor as the file holds it (HF names and layout, float32):
+    the trainer's weights rounded to the file's types."""
     import gguf
 
     if file_type not in FILE_TYPES:
@@ -154,15 +159,17 @@ def write_gguf(
         if name not in by_gguf_name:
             raise ValueError(f"{template.path}: tensor {name} has no counterpart in the model's weights")
         hf_name, value = by_gguf_name[name]
-        data = _gguf_rows(name, value.detach().to(torch.float32).cpu().numpy(), config, arch)
+        data = value.detach().to(torch.float32).cpu().numpy()
         if data.ndim == 1:
             qtype = gguf.GGMLQuantizationType.F32
         elif name == "token_embd.weight" and file_type not in FLOAT_TYPES:
             qtype = template_type
         else:
             qtype = tensor_type
-        encoded = gguf.quants.quantize(data, qtype)
-        writer.add_tensor(name, encoded, raw_dtype=qtype)
+        encoded = gguf.quants.quantize(data, qtype)  # blocks run along rows: permuting rows commutes
+        if held is not None:
+            held[hf_name] = torch.from_numpy(gguf.quants.dequantize(encoded, qtype).reshape(data.shape))
+        writer.add_tensor(name, _gguf_rows(name, encoded, config, arch), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

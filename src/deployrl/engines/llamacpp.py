@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
-from deployrl.engines.gguf_io import FILE_TYPES, GGUFTemplate, write_gguf, write_gguf_adapter
+from deployrl.engines.gguf_io import FILE_TYPES, FLOAT_TYPES, GGUFTemplate, write_gguf, write_gguf_adapter
 from deployrl.engines.llama_runtime import LlamaRuntime
 from deployrl.engines.sampling import sample_next
 from deployrl.lora import split_adapter
@@ -73,6 +73,7 @@ class LlamaCppEngine(RolloutEngine):
         self.adapter_file = Path(self._dir.name) / "adapter.gguf"
         self.adapter_scales = dict(adapter_scales or {})
         self.adapter_path: Optional[Path] = None  # the adapter applied, once there is one
+        self._quantised: Optional[dict[str, torch.Tensor]] = None
         self.runtime: Optional[LlamaRuntime] = None
         self.sync(state_dict)
 
@@ -86,7 +87,10 @@ class LlamaCppEngine(RolloutEngine):
         start = time.perf_counter()
         base, adapters = split_adapter(state_dict, self.adapter_scales)
         if self.runtime is None or not adapters:
-            write_gguf(base, self.config, self.template, self.path, self.file_type)
+            # a quantised file rounds the weights far more than float kernels do: keep what it holds
+            # (a LoRA base is frozen on the file's own grid: nothing to keep)
+            self._quantised = None if self.file_type in FLOAT_TYPES or adapters else {}
+            write_gguf(base, self.config, self.template, self.path, self.file_type, held=self._quantised)
             self._load(self.runtime.n_ctx if self.runtime is not None else self.n_ctx)
         if adapters:
             self.adapter_path = write_gguf_adapter(adapters, self.config, self.template.arch, self.adapter_file)
@@ -103,6 +107,10 @@ class LlamaCppEngine(RolloutEngine):
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         return self.runtime.score(token_ids)
+
+    def take_quantised_weights(self) -> Optional[dict[str, torch.Tensor]]:
+        quantised, self._quantised = self._quantised, None
+        return quantised
 
     def _cache_cells(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """KV cells for `parallel` completions running together: their prompts once each (when
