@@ -6,7 +6,9 @@ bound of the engine's precision. The bounds are ~10x the gaps measured on SmolLM
 its shipped weights and with weights moved off the quantisation grid as training moves them
 (docs/engines.md has the table), so a correct engine passes with a wide margin while a broken
 kernel (garbage logits: gaps of several nats) stops the run before any training step, instead
-of turning into "discrepancy" for DC-GRPO to fight.
+of turning into "discrepancy" for DC-GRPO to fight. For a quantised file the trainer scores with
+the weights the file holds (`reference_on`), so that the rounding of drifting weights is not
+counted as a kernel error.
 """
 
 from __future__ import annotations
