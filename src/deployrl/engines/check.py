@@ -51,14 +51,17 @@ def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def reference_on(model, weights: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
     """`reference_logprobs` of `model` computed with `weights` (HF names) in place of its own,
-    which are restored afterwards."""
-    own = model.state_dict()
-    saved = {name: own[name].clone() for name in weights}
-    model.load_state_dict(weights, strict=False)
+    which are put back afterwards (the tensors are swapped, not copied)."""
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    own = {}
     try:
+        for name, value in weights.items():
+            own[name] = tensors[name].data
+            tensors[name].data = value.to(own[name].dtype)
         return reference_logprobs(model, ids)
     finally:
-        model.load_state_dict(saved, strict=False)
+        for name, data in own.items():
+            tensors[name].data = data
 
 
 def check_engine(engine, reference: torch.Tensor, ids: list[int]) -> float:
