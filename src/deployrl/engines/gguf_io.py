@@ -115,6 +115,16 @@ def _gguf_rows(name: str, rows: np.ndarray, config, arch: str) -> np.ndarray:
     return rows
 
 
+def _finish(writer, tmp: Path, out: Path) -> Path:
+    """Write out what `writer` (open on `tmp`) holds, then move it to `out` in one step."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out)
+    return out
+
+
 def write_gguf(
     state_dict: dict[str, torch.Tensor], config, template: Path | GGUFTemplate, out: Path, file_type: str,
     held: Optional[dict[str, torch.Tensor]] = None,
@@ -170,12 +180,7 @@ def write_gguf(
         if held is not None:
             held[hf_name] = torch.from_numpy(gguf.quants.dequantize(encoded, qtype).reshape(data.shape))
         writer.add_tensor(name, _gguf_rows(name, encoded, config, arch), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
-    return out
+    return _finish(writer, tmp, out)
 
 
 def write_gguf_adapter(adapters: dict[str, Adapter], config, arch: str, out: Path) -> Path:
@@ -205,9 +210,4 @@ def write_gguf_adapter(adapters: dict[str, Adapter], config, arch: str, out: Pat
         b = _gguf_rows(name, (adapter.b.detach().float() * adapter.scale).cpu().numpy(), config, arch)
         writer.add_tensor(name + ".lora_a", np.ascontiguousarray(adapter.a.detach().float().cpu().numpy()))
         writer.add_tensor(name + ".lora_b", np.ascontiguousarray(b))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
-    return out
+    return _finish(writer, tmp, out)
