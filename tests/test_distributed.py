@@ -169,3 +169,26 @@ def test_a_failing_rank_stops_the_job_with_its_error(tmp_path, tiny_dir):
     assert result.returncode != 0
     assert "injected failure on rank 1" in result.stdout + result.stderr
     assert time.monotonic() - start < 300  # stopped, not hung until the collective's timeout
+
+
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=0.05"]
+
+
+@pytest.mark.slow
+def test_lora_on_two_ranks_trains_as_one_process_and_resumes_on_one(tmp_path, tiny_dir):
+    """FSDP2 shards the frozen base and the adapters alike; a checkpoint holds the gathered adapter."""
+    for ranks in (1, 2):
+        finished(launch(ranks, tmp_path / f"ranks{ranks}", tiny_dir, ["dc_optimized"], "steps=3", *LORA))
+    single, double = tmp_path / "ranks1" / "dc_optimized", tmp_path / "ranks2" / "dc_optimized"
+    assert ranks_log(double, 0)["reward"] == ranks_log(single, 0)["reward"]
+    assert ranks_log(double, 0)["loss"] == pytest.approx(ranks_log(single, 0)["loss"], rel=1e-2, abs=1e-4)
+    left, right = load_weights(single, double)
+    assert all(torch.equal(left[k], right[k]) for k in left if ".lora_" not in k)  # the base stayed frozen
+    assert_trained_alike(single, double)
+    root = tmp_path / "resumed"
+    finished(launch(2, root, tiny_dir, ["dc_optimized"], "steps=2", "save_every=2", *LORA))
+    saved = latest_checkpoint(root / "dc_optimized" / "run")
+    assert not (saved / "shards").exists() and (saved / "model" / "adapter_model.safetensors").is_file()
+    finished(launch(1, root, tiny_dir, ["dc_optimized"], "steps=3", "save_every=2", *LORA, resume=True))
+    assert ranks_log(root / "dc_optimized", 0)["loss"] == pytest.approx(ranks_log(single, 0)["loss"][2:], rel=1e-4)
+    assert_trained_alike(single, root / "dc_optimized")

@@ -73,7 +73,7 @@ def overrides(task_dir: Path, tiny_dir: Path, run: Path, *extra: str) -> list[st
     from tiny import toy_task_file
 
     return [
-        f"model.name={tiny_dir}", "task.type=jsonl", f"task.path={toy_task_file(task_dir)}",
+        f"model.name={tiny_dir}", "model.lora.rank=0", "task.type=jsonl", f"task.path={toy_task_file(task_dir)}",
         "task.reward=tiny:starts_with_digit", "task.instruction=",
         "rollout.engine=hf:bf16", "rollout.prompts_per_step=4", "rollout.group_size=6", "rollout.max_new_tokens=6",
         "rollout.context_length=256", "algo.ps.budget=3", "algo.ps.xi_min=0.05", "algo.dynamic_sampling=off",

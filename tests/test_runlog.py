@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from deployrl.runlog import RunLogger, format_postfix, plot_metrics, progress, read_jsonl
+from deployrl.runlog import RunLogger, format_postfix, plot_metrics, progress, read_jsonl, run_summary
 
 CONFIG = {"model": {"name": "tiny"}, "steps": 4, "betas": (0.9, 0.95)}
 
@@ -115,3 +115,19 @@ def test_progress_and_postfix():
     bar.close()
     assert bar.n == 5 and bar.total == 10
     assert "5/10" in out.getvalue() and "λ=0.5" in out.getvalue()
+
+
+def test_run_summary_shows_what_the_run_bought():
+    rows = [{"step": 0, "eval/pass@1": 0.2, "eval/pass@1_se": 0.03, "eval/avg@2": 0.2, "eval/problems": 64.0}]
+    rows += [{"step": s, "reward/mean": 0.1 * s, "dc/mean_D": 0.01 + 0.001 * s, "dc/tolerance": 0.0125,
+              "dc/lambda": 0.25 * s} for s in range(1, 9)]
+    rows.append({"step": 8, "eval/pass@1": 0.4, "eval/pass@1_se": 0.04, "eval/avg@2": 0.4, "eval/problems": 64.0})
+    lines = run_summary(rows, "llamacpp:q4_1")
+    # rise 0.2 over sqrt(0.03^2 + 0.04^2) = 0.05: 4 standard errors
+    assert lines[0] == ("eval pass@1 in llamacpp:q4_1 (64 problems × 2): 0.200 ± 0.030 at step 0"
+                        " → 0.400 ± 0.040 at step 8: +0.200 (+4.0 s.e.)")
+    assert lines[1] == "training reward (engine samples): 0.150 over steps 1–2 → 0.750 over steps 7–8"
+    # D exceeds c = 0.0125 from step 3 (0.013): 6 of 8 steps
+    assert lines[2] == ("discrepancy δ: 0.0110 at step 1 → 0.0180 at step 8; tolerance c 0.0125,"
+                        " exceeded at 6 of 8 steps; λ 2.00 at the end")
+    assert run_summary([], "hf:fp32") == []

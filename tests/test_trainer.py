@@ -18,7 +18,7 @@ def toy_config(tmp_path, tiny_dir, *overrides):
 
     task_file = toy_task_file(tmp_path)
     return load_config(None, [
-        f"model.name={tiny_dir}",
+        f"model.name={tiny_dir}", "model.lora.rank=0",  # full fine-tuning; tests/test_lora.py sets a rank
         "task.type=jsonl", f"task.path={task_file}", "task.reward=tiny:starts_with_digit", "task.instruction=",
         "rollout.engine=hf:bf16", "rollout.prompts_per_step=4", "rollout.group_size=6", "rollout.max_new_tokens=6",
         "rollout.context_length=256",
@@ -195,8 +195,8 @@ def test_embedded_default_runs_two_steps(tmp_path):
     config = load_config(None, ["steps=2", "rollout.max_new_tokens=24", "eval.num_prompts=2", f"output_dir={tmp_path / 'run'}",
                                 "tensorboard=false"])
     history = Trainer(config).run()
-    assert len(history) == 3 and "eval/pass@1" in history[-1]
-    assert history[0]["dc/mean_D"] > 0 and history[1]["dc/lambda"] >= 0
+    assert len(history) == 4 and "eval/pass@1" in history[0] and "eval/pass@1" in history[-1]  # before and after
+    assert history[1]["dc/mean_D"] > 0 and history[2]["dc/lambda"] >= 0
 
 
 def test_example_configs_are_valid(tmp_path):

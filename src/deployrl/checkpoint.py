@@ -2,7 +2,8 @@
 
 A checkpoint is a directory ``run_dir/checkpoints/step_{step:08d}/``::
 
-    model/                   save_pretrained (safetensors) + tokenizer: from_pretrained loads it
+    model/                   save_pretrained (safetensors) + tokenizer: from_pretrained loads it;
+                             a LoRA run's adapter alone, in peft's layout (deployrl.lora)
     optimizer.safetensors    tensors of the optimizer state, keyed "state.{parameter name}.{name}"
     optimizer.json           the rest of it (param_groups, python-number state), tensors by key
     shards/                  instead of optimizer.*, when saved by several ranks (below)
@@ -64,6 +65,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
     set_state_dict,
 )
+
+from deployrl.lora import ADAPTER_WEIGHTS, adapter_state, has_adapters, load_adapter, save_adapter
 
 GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # this rank's shards, optimizer keyed "state.{name}.{key}"
@@ -423,10 +426,19 @@ def _fill_weights(model, weights: Mapping[str, torch.Tensor], source: Path) -> N
 def _load_weights(model, model_dir: Path) -> None:
     from safetensors.torch import load_file
 
+    target = _unwrap(model)
+    if (model_dir / ADAPTER_WEIGHTS).is_file():  # a LoRA run: the base comes from the model spec
+        try:
+            load_adapter(target, model_dir)
+        except (ValueError, RuntimeError) as err:
+            raise CheckpointError(str(err)) from None
+        return
+    if has_adapters(target):
+        raise CheckpointError(f"{model_dir} holds a full model, not a LoRA adapter: it was saved by a run"
+                              " without model.lora (set model.lora.rank=0 to resume it)")
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"checkpoint model directory {model_dir} holds no .safetensors file")
-    target = _unwrap(model)
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -441,12 +453,18 @@ def _load_weights(model, model_dir: Path) -> None:
     _fill_weights(target, weights, model_dir)
 
 
-def _save_model(model, tokenizer, directory: Path, weights: Optional[Mapping[str, torch.Tensor]] = None) -> None:
-    """save_pretrained of `model` with `weights` (default: its own state_dict) into `directory`."""
+def _save_model(model, tokenizer, directory: Path, weights: Optional[Mapping[str, torch.Tensor]] = None,
+                adapter: Optional[dict[str, torch.Tensor]] = None) -> None:
+    """save_pretrained of `model` with `weights` (default: its own state_dict) into `directory`;
+    with `adapter` (its `adapter_state`), that LoRA adapter alone, in peft's layout."""
     target = _unwrap(model)
     if not hasattr(target, "save_pretrained"):
         raise TypeError(f"{type(target).__name__} has no save_pretrained: checkpoints hold transformers models")
-    target.save_pretrained(directory, state_dict=weights)  # transformers 5 always writes safetensors
+    if adapter is not None:
+        save_adapter(target, directory, adapter)
+    else:
+        # a copy: save_pretrained drops tied aliases from the dict it is given
+        target.save_pretrained(directory, state_dict=None if weights is None else dict(weights))
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     pickled = [p.name for p in directory.rglob("*") if p.suffix in PICKLE_SUFFIXES]
@@ -552,8 +570,11 @@ def save_checkpoint(
     final = checkpoint_path(run_dir, step)
     root = final.parent
     target = _unwrap(model)
-    weights = get_model_state_dict(target, options=GATHERED)
-    sharded = _several_ranks() and optimizer is not None
+    # a LoRA run keeps only its adapter, gathered whole (it is small): the frozen base is the model
+    # spec's own file
+    adapter = adapter_state(target) if has_adapters(target) else None
+    weights = None if adapter is not None else get_model_state_dict(target, options=GATHERED)
+    sharded = _several_ranks() and optimizer is not None and adapter is None
     optimizer_state = None
     if optimizer is not None and not sharded:
         optimizer_state = get_optimizer_state_dict(target, optimizer, options=GATHERED)
@@ -580,7 +601,7 @@ def save_checkpoint(
             _save_state(tmp, "optimizer", optimizer_state)
         if scheduler is not None:
             _save_state(tmp, "scheduler", scheduler.state_dict(), drop_callables=True)
-        _save_model(target, tokenizer, tmp / MODEL_DIR, weights)
+        _save_model(target, tokenizer, tmp / MODEL_DIR, weights, adapter)
         _sync_tree(tmp)
         _write_manifest(tmp, int(step))
         _fsync_dir(tmp)
@@ -696,6 +717,19 @@ def _load_shards(model, optimizer: Optional[torch.optim.Optimizer], hyper: Optio
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=state, options=loading)
 
 
+def _write_folder(out: Path, write) -> Path:
+    """Call write(folder) on a temporary folder, then move it to `out` atomically."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        write(tmp)
+        _sync_tree(tmp)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 def export_model(
     model,
     tokenizer,
@@ -704,7 +738,8 @@ def export_model(
     gguf_type: str = "q4_1",
     weights: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> dict[str, Path]:
-    """Write the model for deployment; returns {"hf": folder} plus {"gguf": file} with a template.
+    """Write the model for deployment; returns {"hf": folder} plus {"gguf": file} with a template,
+    and for a model with LoRA adapters also {"adapter": folder} and, with a template, {"gguf_adapter": file}.
 
     `weights` (default: the model's state_dict) are the ones written: a sharded model's gathered weights.
 
@@ -712,8 +747,13 @@ def export_model(
     `from_pretrained` loads; it replaces a previous export atomically. With `gguf_template`
     (the GGUF the model came from: its tokenizer and metadata are reused), also
     `out_dir/model-{gguf_type}.gguf` for llama.cpp, of type f32, f16, bf16, q8_0, q4_0 or q4_1.
+    With adapters, `hf/` and `model-{gguf_type}.gguf` hold the merged model (W + scale B A),
+    `adapter/` the adapter in peft's layout (`PeftModel.from_pretrained(base, "adapter")`) and
+    `adapter.gguf` llama.cpp's LoRA adapter (`llama-cli -m <template> --lora adapter.gguf`): the
+    exact trained model on the template's own base, where a merged quantised file rounds the update.
     """
-    from deployrl.engines.gguf_io import FILE_TYPES, write_gguf
+    from deployrl.engines.gguf_io import FILE_TYPES, GGUFTemplate, write_gguf, write_gguf_adapter
+    from deployrl.lora import adapter_scales, merge_adapters, split_adapter
     from deployrl.registry import unknown_name_error
 
     if gguf_template is not None:
@@ -725,21 +765,28 @@ def export_model(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = _unwrap(model)
+    weights = dict(weights if weights is not None else target.state_dict())
+    lora = has_adapters(target)
+    if lora:
+        scales = adapter_scales(target)
+        _, adapters = split_adapter(weights, scales)
+        weights = merge_adapters(weights, scales)
     written: dict[str, Path] = {}
-    hf_dir = out_dir / "hf"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-hf-", dir=out_dir))
-    try:
-        _save_model(target, tokenizer, tmp, weights)
-        _sync_tree(tmp)
-        _move_into_place(tmp, hf_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    written["hf"] = hf_dir
+    written["hf"] = _write_folder(out_dir / "hf", lambda folder: _save_model(target, tokenizer, folder, weights))
+    if lora:
+        saved = {f"{module}.lora_{part}.weight": getattr(adapter, part.lower()).detach().cpu()
+                 for module, adapter in adapters.items() for part in ("A", "B")}  # peft's saved names
+        written["adapter"] = _write_folder(out_dir / "adapter", lambda folder: _save_model(
+            target, tokenizer, folder, adapter=saved))
     if gguf_template is not None:
+        template = GGUFTemplate.read(gguf_template)
         out = out_dir / f"model-{gguf_type}.gguf"
-        write_gguf(weights or target.state_dict(), target.config, gguf_template, out, gguf_type)
-        _fsync_file(out)
-        _fsync_dir(out_dir)
+        write_gguf(weights, target.config, template, out, gguf_type)
         written["gguf"] = out
+        if lora:
+            written["gguf_adapter"] = write_gguf_adapter(adapters, target.config, template.arch, out_dir / "adapter.gguf")
+        for file in written.values():
+            if file.is_file():
+                _fsync_file(file)
+        _fsync_dir(out_dir)
     return written

@@ -1,14 +1,18 @@
 """Evaluation in the deployment engine: pass@1, avg@k and pass@k on a task or benchmark.
 
 With k samples per problem and c correct, avg@k = c / k (the unbiased estimate of pass@1
-at the sampling temperature) and pass@k = 1 if c > 0 (Chen et al. 2021's estimator at n = k).
+at the sampling temperature) and pass@k = 1 if c > 0 (Chen et al. 2021's estimator at n = k);
+pass@1_se is the standard error of pass@1 over problems (sample standard deviation / √n).
 Greedy decoding is `top_k=1`. The reward is the task's own, so training and evaluation
-cannot drift apart.
+cannot drift apart. A LoRA adapter folder is scored on its base model, with the engine applying the
+adapter as it does during training (llama.cpp: the base GGUF plus a GGUF LoRA adapter).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -30,7 +34,9 @@ class EvalCommandConfig(EvalSettings):
     num_prompts: int = 50
     max_new_tokens: int = 512
     task: TaskConfig = field(default_factory=lambda: ReasoningGymTask(seed=1))  # seed 1: not a default run's problems
-    model: str = "smollm2-135m"  # model directory (e.g. a checkpoint's model/ folder or an export), .gguf file, or alias
+    # model directory (e.g. a checkpoint's model/ folder or an export), .gguf file, alias, or LoRA adapter folder
+    model: str = "smollm2-135m"
+    base: Optional[str] = None  # an adapter's base model (None: the one its adapter_config.json names)
     # GGUF whose tokenizer/metadata a llamacpp engine reuses (None: the model's own GGUF, else smollm2-135m's)
     gguf_template: Optional[str] = None
     engine: str = "llamacpp:q4_1"  # hf:{fp32,bf16,fp16,fp8} or llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}
@@ -44,7 +50,9 @@ class EvalCommandConfig(EvalSettings):
 
 
 FLAGS = (
-    Flag("--model", "model", "model directory (e.g. a checkpoint's model/ folder or an export), .gguf file, or alias"),
+    Flag("--model", "model", "model directory (e.g. a checkpoint's model/ folder or an export), .gguf file, alias,"
+         " or a LoRA adapter folder (peft layout: a LoRA run's checkpoint model/ or export adapter/)"),
+    Flag("--base", "base", "the base model of a LoRA adapter (default: the one its adapter_config.json names)"),
     Flag("--gguf-template", "gguf_template", "GGUF whose tokenizer/metadata a llamacpp engine reuses"),
     Flag("--engine", "engine", "engine spec, e.g. llamacpp:q4_1 or hf:bf16"),
     Flag("--task", "task.name", "a reasoning-gym dataset", also=(("task.type", "reasoning_gym"),)),
@@ -75,9 +83,12 @@ def evaluate(engine, tokenizer, task, cfg, max_new_tokens: int, seed: int = 0) -
     correct = [
         [v >= 1.0 for v in scores.values[i * cfg.samples:(i + 1) * cfg.samples]] for i in range(len(examples))
     ]
-    avg = sum(sum(c) / len(c) for c in correct) / len(correct)
+    per_problem = [sum(c) / len(c) for c in correct]
+    avg = statistics.fmean(per_problem)
     return {
         "pass@1": avg,
+        # the standard error over problems
+        "pass@1_se": statistics.stdev(per_problem) / math.sqrt(len(per_problem)) if len(per_problem) > 1 else 0.0,
         f"avg@{cfg.samples}": avg,
         f"pass@{cfg.samples}": sum(any(c) for c in correct) / len(correct),
         "mean_reward": sum(scores.values) / len(scores.values),
@@ -90,6 +101,7 @@ def evaluate(engine, tokenizer, task, cfg, max_new_tokens: int, seed: int = 0) -
 def main(argv: list[str] | None = None) -> int:
     from deployrl.engines import make_engine
     from deployrl.engines.check import verify_engine
+    from deployrl.lora import ADAPTER_CONFIG, adapter_base, attach_adapter
     from deployrl.models import end_token_ids, load_model, load_tokenizer, resolve_model
 
     command_line = CommandLine(
@@ -102,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     config, _ = command_line.parse(argv)
     try:  # the data and the model's files are checked before the model loads
         task = load_task(config.task)
-        source = resolve_model(config.model)
+        adapter = Path(config.model) if (Path(config.model) / ADAPTER_CONFIG).is_file() else None
+        source = resolve_model(adapter_base(adapter, config.base) if adapter else config.model)
         # a llamacpp engine writes the weights into a GGUF shaped like a template's
         engine_source = source
         if config.gguf_template or (source.gguf_file is None and config.engine.startswith("llamacpp")):
@@ -111,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         command_line.fail(err)
     model = load_model(source).eval()
+    if adapter is not None:  # the engine applies the adapter on the base, as in training
+        attach_adapter(model, adapter)
     engine = make_engine(config.engine, model, engine_source, end_token_ids(tokenizer, model))
     verify_engine(engine, model, tokenizer)
     scores = evaluate(engine, tokenizer, task, config, config.max_new_tokens, config.seed)

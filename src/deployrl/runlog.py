@@ -415,3 +415,50 @@ def format_postfix(metrics: Mapping[str, Any]) -> dict[str, str]:
             if text is not None:
                 postfix[label] = text
     return postfix
+
+
+def _mean_over(rows: list[dict], key: str) -> Optional[float]:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _score(row: dict) -> str:
+    se = row.get("eval/pass@1_se")
+    return f"{row['eval/pass@1']:.3f}" + (f" ± {se:.3f}" if se is not None else "") + f" at step {row['step']}"
+
+
+def run_summary(rows: list[dict], engine: str) -> list[str]:
+    """What a run bought, from its metrics.jsonl rows: the deployment-engine eval at its first and
+    last evaluation (± one standard error over problems), the training reward over the first and
+    last quarter of the steps, and the discrepancy δ against the tolerance c."""
+    lines = []
+    evals = [r for r in rows if r.get("eval/pass@1") is not None]
+    if evals:
+        first, last = evals[0], evals[-1]
+        samples = next((k.split("@")[1] for k in first if k.startswith("eval/avg@")), "1")
+        text = f"eval pass@1 in {engine} ({first.get('eval/problems', 0):g} problems × {samples}): {_score(first)}"
+        if last is not first:
+            rise = last["eval/pass@1"] - first["eval/pass@1"]
+            text += f" → {_score(last)}: {rise:+.3f}"
+            se = math.hypot(first.get("eval/pass@1_se") or 0.0, last.get("eval/pass@1_se") or 0.0)
+            if se > 0:
+                text += f" ({rise / se:+.1f} s.e.)"
+        lines.append(text)
+    steps = [r for r in rows if r.get("reward/mean") is not None]
+    if steps:
+        quarter = max(len(steps) // 4, 1)
+        head, tail = steps[:quarter], steps[-quarter:]
+        lines.append(f"training reward (engine samples): {_mean_over(head, 'reward/mean'):.3f} over steps"
+                     f" {head[0]['step']}–{head[-1]['step']} → {_mean_over(tail, 'reward/mean'):.3f} over steps"
+                     f" {tail[0]['step']}–{tail[-1]['step']}")
+    measured = [r for r in steps if r.get("dc/mean_D") is not None]
+    if measured:
+        text = (f"discrepancy δ: {measured[0]['dc/mean_D']:.4f} at step {measured[0]['step']} →"
+                f" {measured[-1]['dc/mean_D']:.4f} at step {measured[-1]['step']}")
+        c = measured[-1].get("dc/tolerance")
+        if c is not None:
+            over = sum(r["dc/mean_D"] > c for r in measured)
+            text += (f"; tolerance c {c:.4f}, exceeded at {over} of {len(measured)} steps;"
+                     f" λ {measured[-1].get('dc/lambda', 0.0):.2f} at the end")
+        lines.append(text)
+    return lines

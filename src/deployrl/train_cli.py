@@ -14,8 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     command_line = CommandLine(
         "deployrl train", TrainConfig,
         "RL post-training against the deployment engine. With no arguments: the embedded default"
-        " (SmolLM2-135M-Instruct, reasoning-gym arithmetic, fp32 trainer, llama.cpp Q4_1 sampling,"
-        " DC-GRPO + PS-PPO). Overrides are section.key=value, e.g. algo.dc.tolerance=0.01.",
+        " (SmolLM2-135M-Instruct, reasoning-gym arithmetic, LoRA adapters trained in fp32 on the frozen"
+        " base, llama.cpp Q4_1 sampling with the adapter applied, DC-GRPO + PS-PPO). Overrides are section.key=value, e.g. algo.dc.tolerance=0.01.",
         epilog=(
             "Several processes (FSDP2; gloo on CPU, NCCL on GPUs): torchrun --nproc_per_node=N -m deployrl train"
             " [config.yaml] [key=value ...]; several nodes: add torchrun's --nnodes and --rdzv-endpoint."
@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     command_line.parser.add_argument("--resume", action="store_true",
                                      help="continue from the run directory's latest checkpoint")
     command_line.parser.add_argument("--export", default=None, metavar="DIR",
-                                     help="after training, write the final model as an HF folder (and a GGUF) to DIR")
+                                     help="after training, write the final model to DIR: an HF folder and a GGUF (merged),"
+                                          " and with LoRA the peft adapter and a llama.cpp GGUF adapter")
     config, args = command_line.parse(argv)
 
     from deployrl.checkpoint import CheckpointError, latest_checkpoint
@@ -56,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deployrl train: error: {err}\nthe last checkpoint is {last or 'none (a resume starts over)'};"
               f" resume with: {resume_command}", file=sys.stderr)
         return 1
+    if trainer.world.is_main:  # what the run bought, from its whole metrics.jsonl (resumed runs too)
+        from deployrl.runlog import METRICS, read_jsonl, run_summary
+
+        rows = read_jsonl(trainer.run_dir / METRICS)
+        print("\n".join([f"done: {trainer.run_dir}", *run_summary(rows, config.rollout.engine)]))
     if args.export:
         written = trainer.export(Path(args.export))
         if written:

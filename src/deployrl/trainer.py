@@ -92,9 +92,6 @@ class Trainer:
         if len(self.task.examples) < config.rollout.prompts_per_step:
             raise ValueError(f"task {self.task.name} has {len(self.task.examples)} examples, fewer than"
                              f" rollout.prompts_per_step={config.rollout.prompts_per_step}")
-        if config.model.lora.rank and self.world.distributed:
-            raise ValueError("model.lora is not yet supported under torchrun (FSDP2 with frozen base weights is"
-                             " untested): train adapters in one process, or set model.lora.rank=0")
         self.run_dir = Path(config.output_dir)
         if self.world.is_main:
             check_writable(self.run_dir)  # before the model loads: an unwritable directory fails in seconds
@@ -105,7 +102,8 @@ class Trainer:
         ).to(self.world.device)
         lora = config.model.lora
         if lora.rank:  # the base stays frozen at the weights the engine deploys; only adapters train
-            add_lora(self.model, lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+            add_lora(self.model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, config.model.name,
+                     config.seed)
         # the engine copies the whole model, before the learner shards it
         self.rollout = RolloutWorker(config, self.task, self.tokenizer, self.model, self.source, self.world,
                                      SilentLogger(), self.engine_weights)

@@ -52,7 +52,8 @@ from deployrl.bench.measure import PeakMemory, cpu_name, in_fresh_process, media
 from deployrl.configcli import CommandLine, Flag
 from deployrl.registry import unknown_name_error
 
-HF_ROW = ["rollout.engine=hf:fp32", "algo.correction=none", "algo.dynamic_sampling=off"]
+# full fine-tuning, as TRL's GRPOTrainer without a peft_config
+HF_ROW = ["rollout.engine=hf:fp32", "algo.correction=none", "algo.dynamic_sampling=off", "model.lora.rank=0"]
 HF_ROWS = {  # name -> (label, overrides on top of the command's), run on the dequantised model
     "ps_off": ("deployrl hf:fp32, PS off", [*HF_ROW, "algo.ps.strategy=full"]),
     "ps_on": ("deployrl hf:fp32, PS on", [*HF_ROW, "algo.ps.strategy=optimized"]),

@@ -102,6 +102,7 @@ def config_overrides(
     changes with the repeat, so that repeats average over draws as well as over machine noise."""
     return {
         "model.name": model_dir,
+        "model.lora.rank": 0,  # the update of every weight: what PS-PPO's savings were measured on
         "task.size": settings.groups,  # the task is only needed by the constructor: keep it small
         "rollout.engine": "hf:fp32",
         "rollout.prompts_per_step": settings.groups,

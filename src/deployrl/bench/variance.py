@@ -58,7 +58,7 @@ TASK_DEFAULTS = (
     "algo.ps.xi_min=0.01",
 )
 # Always: groups with equal rewards carry no gradient; no logging or evaluation.
-BENCH_SETTINGS = ("algo.dynamic_sampling=drop", "tensorboard=false", "eval.num_prompts=0")
+BENCH_SETTINGS = ("algo.dynamic_sampling=drop", "tensorboard=false", "eval.num_prompts=0", "model.lora.rank=0")
 
 
 def head_gradient_gram(
