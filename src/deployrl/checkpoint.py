@@ -753,7 +753,7 @@ def export_model(
     exact trained model on the template's own base, where a merged quantised file rounds the update.
     """
     from deployrl.engines.gguf_io import FILE_TYPES, GGUFTemplate, write_gguf, write_gguf_adapter
-    from deployrl.lora import adapter_scales, merge_adapters, split_adapter
+    from deployrl.lora import adapter_scales, is_adapter_name, merge_adapters, saved_name, split_adapter
     from deployrl.registry import unknown_name_error
 
     if gguf_template is not None:
@@ -768,14 +768,12 @@ def export_model(
     weights = dict(weights if weights is not None else target.state_dict())
     lora = has_adapters(target)
     if lora:
-        scales = adapter_scales(target)
-        _, adapters = split_adapter(weights, scales)
-        weights = merge_adapters(weights, scales)
+        saved = {saved_name(k): v.detach().cpu() for k, v in weights.items() if is_adapter_name(k)}
+        base, adapters = split_adapter(weights, adapter_scales(target))
+        weights = merge_adapters(base, adapters)
     written: dict[str, Path] = {}
     written["hf"] = _write_folder(out_dir / "hf", lambda folder: _save_model(target, tokenizer, folder, weights))
     if lora:
-        saved = {f"{module}.lora_{part}.weight": getattr(adapter, part.lower()).detach().cpu()
-                 for module, adapter in adapters.items() for part in ("A", "B")}  # peft's saved names
         written["adapter"] = _write_folder(out_dir / "adapter", lambda folder: _save_model(
             target, tokenizer, folder, adapter=saved))
     if gguf_template is not None:

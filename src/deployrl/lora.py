@@ -86,10 +86,9 @@ def split_adapter(
     return base, adapters
 
 
-def merge_adapters(state_dict: dict[str, torch.Tensor], scales: dict[str, float]) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every adapter folded in: W + scale * B @ A (in float32,
-    stored in W's dtype); a state dict without adapters comes back as it is."""
-    base, adapters = split_adapter(state_dict, scales)
+def merge_adapters(base: dict[str, torch.Tensor], adapters: dict[str, Adapter]) -> dict[str, torch.Tensor]:
+    """The base weights (`split_adapter`'s) with every adapter folded in: W + scale * B @ A (in
+    float32, stored in W's dtype)."""
     merged = dict(base)
     for module, adapter in adapters.items():
         weight = base[module + ".weight"]
@@ -102,23 +101,27 @@ def has_adapters(model: nn.Module) -> bool:
     return ADAPTER in getattr(model, "peft_config", {})
 
 
+def saved_name(name: str) -> str:
+    """peft's saved name of an adapter parameter: `<module>.lora_A.default.weight` -> `<module>.lora_A.weight`."""
+    return name.replace(f".{ADAPTER}.", ".")
+
+
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter's tensors, whole and on the CPU, under peft's saved names (`<module>.lora_A.weight`).
+    """The adapter's tensors, whole and on the CPU, under peft's saved names (`saved_name`).
     An FSDP-sharded model's are gathered: every rank must call this."""
     from torch.distributed.tensor import DTensor
 
-    return {name.replace(f".{ADAPTER}.", "."): (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+    return {saved_name(name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
             for name, p in model.named_parameters() if is_adapter_name(name)}
 
 
-def save_adapter(model: nn.Module, directory: Path, weights: Optional[dict[str, torch.Tensor]] = None) -> None:
-    """Write the model's adapter (`weights`: its `adapter_state`, default: taken now) in peft's layout
-    into `directory` (created if needed)."""
+def save_adapter(model: nn.Module, directory: Path, weights: dict[str, torch.Tensor]) -> None:
+    """Write the adapter `weights` (under `saved_name`s) and the model's LoRA config in peft's
+    layout into `directory` (created if needed)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    weights = adapter_state(model) if weights is None else weights
     save_file({PEFT_PREFIX + k: v.contiguous() for k, v in weights.items()}, directory / ADAPTER_WEIGHTS,
               metadata={"format": "pt"})
     model.peft_config[ADAPTER].save_pretrained(directory)
@@ -155,8 +158,7 @@ def read_adapter(model: nn.Module, directory: Path) -> dict[str, torch.Tensor]:
         )
     file = directory / ADAPTER_WEIGHTS
     weights = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(file).items()}
-    params = {name.replace(f".{ADAPTER}.", "."): (name, p) for name, p in model.named_parameters()
-              if is_adapter_name(name)}
+    params = {saved_name(name): (name, p) for name, p in model.named_parameters() if is_adapter_name(name)}
     if set(weights) != set(params):
         raise ValueError(f"{file} does not fit the model's adapters: missing {sorted(set(params) - set(weights))[:5]},"
                          f" unexpected {sorted(set(weights) - set(params))[:5]}")
