@@ -48,8 +48,8 @@ def tiny_model(
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def save_tiny(directory: Path, arch: str = "llama") -> Path:
-    tiny_model(arch).save_pretrained(directory)
+def save_tiny(directory: Path, arch: str = "llama", hidden_size: int = 32) -> Path:
+    tiny_model(arch, hidden_size=hidden_size).save_pretrained(directory)
     char_tokenizer().save_pretrained(directory)
     return directory
 

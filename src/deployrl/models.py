@@ -11,6 +11,7 @@ plain tensors by then, so the marker is cleared here.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,6 +258,13 @@ def _right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, attention
 
 
+def cache_argument(module) -> str:
+    """The name of the KV-cache argument of `module.forward`: `cache` in transformers 5.24 and
+    later, `past_key_values` before (vLLM pins 5.19). An unknown keyword is swallowed silently by
+    the model's **kwargs, so a wrong name would run without the cache and compute wrong states."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 def shares_prompts(model) -> bool:
     """Whether `completion_hidden` runs each distinct prompt once, through a KV cache.
 
@@ -300,8 +308,10 @@ def completion_hidden(
     source = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids])  # row -> prompt
     prompt_input, prompt_attention = _right_padded([list(p) for p in distinct])
     cache = DynamicCache(config=decoder.config)
+    cache_name = cache_argument(decoder)
     prompt_hidden = decoder(
-        input_ids=prompt_input.to(device), attention_mask=prompt_attention.to(device), cache=cache, use_cache=True,
+        input_ids=prompt_input.to(device), attention_mask=prompt_attention.to(device), use_cache=True,
+        **{cache_name: cache},
     ).last_hidden_state
     first = prompt_hidden[source.to(device), starts.to(device)]  # [B, D]
     cache.batch_select_indices(source.to(device))
@@ -313,7 +323,7 @@ def completion_hidden(
     positions = starts[:, None] + 1 + torch.arange(steps)[None, :]
     rest = decoder(
         input_ids=input_ids.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
-        cache=cache, use_cache=True,
+        use_cache=True, **{cache_name: cache},
     ).last_hidden_state  # [B, steps, D]: column j predicts completion token j + 1
     hidden = torch.cat([first[:, None], rest], dim=1)
     if hidden.shape[1] < width:

