@@ -11,12 +11,12 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'deployrl[vllm]'; docs/engines.md)")
 
-from deployrl.algo.logprobs import RAW, SamplingView  # noqa: E402
-from deployrl.engines import make_engine  # noqa: E402
-from deployrl.engines.base import SamplingParams, check_rollouts  # noqa: E402
-from deployrl.engines.check import KernelMismatch, check_engine, reference_logprobs  # noqa: E402
-from deployrl.engines.vllm_engine import engine_weights  # noqa: E402
-from deployrl.models import ModelSource, token_logprobs  # noqa: E402
+from deployrl.algo.logprobs import RAW
+from deployrl.engines import make_engine
+from deployrl.engines.base import SamplingParams, check_rollouts
+from deployrl.engines.check import KernelMismatch, check_engine, reference_logprobs
+from deployrl.engines.vllm_engine import engine_weights
+from deployrl.models import ModelSource, token_logprobs
 
 pytestmark = pytest.mark.vllm
 EOS = 2

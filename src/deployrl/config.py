@@ -92,7 +92,9 @@ class ModelConfig:
 class RolloutConfig:
     """Sampling in the deployment engine."""
 
-    engine: str = "llamacpp:q4_1"  # hf:{fp32,bf16,fp16,fp8}, llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1} or vllm:{bf16,fp16,fp32,fp8,fp8_per_tensor,fp8_per_channel,fp8_per_block}
+    # hf:{fp32,bf16,fp16,fp8}, llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1},
+    # vllm:{bf16,fp16,fp32,fp8,fp8_per_tensor,fp8_per_channel,fp8_per_block} (docs/engines.md)
+    engine: str = "llamacpp:q4_1"
     prompts_per_step: int = 4  # prompt groups per training step
     group_size: int = 8  # completions per prompt (K)
     max_new_tokens: int = 32
@@ -103,7 +105,9 @@ class RolloutConfig:
     max_retries: int = 2  # a failed, hung or malformed generation is retried this often on a fresh engine
     timeout_s: Optional[float] = None  # seconds one generation call may take before it counts as hung; None: no limit
     engine_ranks: str = "all"  # several ranks: all (each samples its share with its own engine) or main (rank 0 samples all)
-    threads: Optional[int] = None  # llamacpp: decode threads, vllm: CPU cores it binds; None = every CPU (beside a busy neighbour 1 is faster: docs/engines.md)
+    # llamacpp: decode threads, vllm: the CPU cores it binds; None = every CPU (beside a busy neighbour
+    # 1 is faster for llamacpp: docs/engines.md)
+    threads: Optional[int] = None
     parallel: int = 32  # llamacpp, vllm: completions decoded together in one batch (1 = one at a time)
 
     def __post_init__(self) -> None:

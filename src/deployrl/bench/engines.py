@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from statistics import median
 from typing import Optional
@@ -28,6 +30,7 @@ import torch
 from deployrl.algo._checks import check_positive
 from deployrl.configcli import CommandLine, Flag
 from deployrl.engines import parse_engine_spec
+from deployrl.engines.base import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -80,11 +83,26 @@ def agreement(one, batched) -> tuple[float, float]:
     return identical, float(gap.max()) if gap.numel() else 0.0
 
 
+def take_turns(samplers: dict[str, Callable], config: EnginesBenchConfig) -> Iterator:
+    """For each (max new tokens, K) of `config`: every sampler (SamplingParams -> RolloutBatch) runs
+    `config.repeats` times, the samplers taking turns; yields (max new tokens, K, median tokens/s
+    per sampler, the last batch per sampler)."""
+    for max_new in config.tokens:
+        for k in config.k:
+            params = SamplingParams(n=k, max_new_tokens=max_new, seed=0)
+            speeds = {name: [] for name in samplers}
+            batches = {}
+            for _ in range(config.repeats):
+                for name, sample in samplers.items():
+                    batches[name] = sample(params)
+                    speeds[name].append(batches[name].timing["tokens_per_s"])
+            yield max_new, k, {name: median(values) for name, values in speeds.items()}, batches
+
+
 def main(argv: list[str] | None = None) -> int:
     config, _ = CommandLine("deployrl bench engines", EnginesBenchConfig, __doc__.split("\n\n")[0], FLAGS).parse(argv)
     from deployrl.config import default_task
     from deployrl.engines import make_engine
-    from deployrl.engines.base import SamplingParams
     from deployrl.models import end_token_ids, load_model, load_tokenizer, resolve_model
     from deployrl.prompts import encode_prompts
     from deployrl.tasks import load_task
@@ -106,28 +124,25 @@ def main(argv: list[str] | None = None) -> int:
               f" {'ratio':>6} {'identical':>10} {'max |dlogp| before':>19}")
     print(header)
     print("-" * len(header))
+    def sample_with(parallel: int):
+        def sample(params):
+            engine.parallel = parallel
+            return engine.generate(prompts, params)
+        return sample
+
     rows = []
-    for max_new in config.tokens:
-        for k in config.k:
-            params = SamplingParams(n=k, max_new_tokens=max_new, seed=0)
-            speeds = {1: [], config.parallel: []}
-            batches = {}
-            for _ in range(config.repeats):
-                for parallel in speeds:
-                    engine.parallel = parallel
-                    batches[parallel] = engine.generate(prompts, params)
-                    speeds[parallel].append(batches[parallel].timing["tokens_per_s"])
-            one, batched = batches[1], batches[config.parallel]
-            identical, gap = agreement(one, batched)
-            row = {
-                "max_new_tokens": max_new, "k": k, "tokens": int(one.mask.sum()),
-                "sequential_tokens_per_s": median(speeds[1]), "batched_tokens_per_s": median(speeds[config.parallel]),
-                "identical": identical, "max_logp_gap_before_difference": gap,
-            }
-            row["ratio"] = row["batched_tokens_per_s"] / row["sequential_tokens_per_s"]
-            rows.append(row)
-            print(f"{max_new:>10} {k:>3} {row['tokens']:>7} {row['sequential_tokens_per_s']:>17.1f}"
-                  f" {row['batched_tokens_per_s']:>14.1f} {row['ratio']:>5.2f}x {identical:>9.0%} {gap:>19.4f}", flush=True)
+    samplers = {"sequential": sample_with(1), "batched": sample_with(config.parallel)}
+    for max_new, k, rates, batches in take_turns(samplers, config):
+        identical, gap = agreement(batches["sequential"], batches["batched"])
+        row = {
+            "max_new_tokens": max_new, "k": k, "tokens": int(batches["sequential"].mask.sum()),
+            "sequential_tokens_per_s": rates["sequential"], "batched_tokens_per_s": rates["batched"],
+            "identical": identical, "max_logp_gap_before_difference": gap,
+        }
+        row["ratio"] = row["batched_tokens_per_s"] / row["sequential_tokens_per_s"]
+        rows.append(row)
+        print(f"{max_new:>10} {k:>3} {row['tokens']:>7} {row['sequential_tokens_per_s']:>17.1f}"
+              f" {row['batched_tokens_per_s']:>14.1f} {row['ratio']:>5.2f}x {identical:>9.0%} {gap:>19.4f}", flush=True)
     if config.json:
         Path(config.json).write_text(json.dumps({"engine": config.engine, "threads": threads, "parallel": config.parallel,
                                          "prompts": len(prompts), "rows": rows}, indent=2))
@@ -137,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
 def compare_engines(config: EnginesBenchConfig, model, source, eos: list[int], prompts: list[list[int]]) -> int:
     """Tokens/s of each engine in `config.compare` on the same prompts and seeds, side by side."""
     from deployrl.engines import make_engine
-    from deployrl.engines.base import SamplingParams
 
     engines, load_s = {}, {}
     for spec in config.compare:
@@ -154,22 +168,12 @@ def compare_engines(config: EnginesBenchConfig, model, source, eos: list[int], p
     print(header)
     print("-" * len(header))
     rows = []
-    for max_new in config.tokens:
-        for k in config.k:
-            params = SamplingParams(n=k, max_new_tokens=max_new, seed=0)
-            speeds = {spec: [] for spec in config.compare}
-            tokens = {}
-            for _ in range(config.repeats):
-                for spec, engine in engines.items():
-                    batch = engine.generate(prompts, params)
-                    speeds[spec].append(batch.timing["tokens_per_s"])
-                    tokens[spec] = int(batch.mask.sum())
-            row = {"max_new_tokens": max_new, "k": k, "tokens": tokens,
-                   "tokens_per_s": {spec: median(values) for spec, values in speeds.items()}}
-            rows.append(row)
-            rates = row["tokens_per_s"]
-            print(f"{max_new:>10} {k:>3} " + " ".join(f"{rates[spec]:>22.1f}" for spec in config.compare) + " "
-                  + " ".join(f"{rates[spec] / rates[first]:>29.2f}x" for spec in config.compare[1:]), flush=True)
+    samplers = {spec: partial(engine.generate, prompts) for spec, engine in engines.items()}
+    for max_new, k, rates, batches in take_turns(samplers, config):
+        rows.append({"max_new_tokens": max_new, "k": k, "tokens_per_s": rates,
+                     "tokens": {spec: int(batch.mask.sum()) for spec, batch in batches.items()}})
+        print(f"{max_new:>10} {k:>3} " + " ".join(f"{rates[spec]:>22.1f}" for spec in config.compare) + " "
+              + " ".join(f"{rates[spec] / rates[first]:>29.2f}x" for spec in config.compare[1:]), flush=True)
     if config.json:
         Path(config.json).write_text(json.dumps({"engines": list(config.compare), "start_s": load_s,
                                                  "threads": config.threads, "parallel": config.parallel,
