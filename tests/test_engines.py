@@ -186,3 +186,9 @@ def test_every_engine_spec_has_a_self_check_bound():
 
     specs = {f"{kind}:{option}" for kind in ENGINES for option in ENGINES.get(kind).options}
     assert specs == set(GAP_BOUNDS)
+
+
+def test_the_vllm_engine_refuses_to_share_a_process_with_torchrun_ranks(model, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="cannot share it with torch.distributed ranks"):
+        make_engine("vllm:bf16", model, ModelSource("tiny", None), EOS)

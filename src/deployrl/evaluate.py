@@ -54,7 +54,7 @@ FLAGS = (
          " or a LoRA adapter folder (peft layout: a LoRA run's checkpoint model/ or export adapter/)"),
     Flag("--base", "base", "the base model of a LoRA adapter (default: the one its adapter_config.json names)"),
     Flag("--gguf-template", "gguf_template", "GGUF whose tokenizer/metadata a llamacpp engine reuses"),
-    Flag("--engine", "engine", "engine spec, e.g. llamacpp:q4_1 or hf:bf16"),
+    Flag("--engine", "engine", "engine spec, e.g. llamacpp:q4_1, hf:bf16 or vllm:bf16"),
     Flag("--task", "task.name", "a reasoning-gym dataset", also=(("task.type", "reasoning_gym"),)),
     Flag("--benchmark", "task.name", "math500, aime24, aime25, amc23, minerva_math, olympiadbench or gsm8k",
          also=(("task.type", "benchmark"),)),

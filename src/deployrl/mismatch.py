@@ -186,7 +186,8 @@ def _fmt(value: Optional[float]) -> str:
 
 FLAGS = (
     Flag("--model", "model", "model directory, .gguf file, hub id, or smollm2-135m"),
-    Flag("--engine", "engine", "engine spec: hf:{fp32,bf16,fp16,fp8} or llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}"),
+    Flag("--engine", "engine", "engine spec: hf:{fp32,bf16,fp16,fp8}, llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}"
+         " or vllm:{bf16,fp16,fp32,fp8,fp8_per_tensor,fp8_per_channel,fp8_per_block}"),
     Flag("--dtype", "dtype", "trainer precision: fp32, bf16 or fp16"),
     Flag("--prompts", "prompts", ".jsonl (prompt or messages per line) or .txt file; default: the questions of the"
          " embedded training task"),
