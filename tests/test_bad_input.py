@@ -312,7 +312,7 @@ def test_a_bad_model_fails_before_its_weights_load(tmp_path, tiny_dir, tally, no
 ENGINE_CASES = {
     "unsupported llama.cpp quantisation": ("llamacpp:q5_k", r"unknown llamacpp engine option 'q5_k'\. .*q4_0, q4_1, q8_0"),
     "unsupported hf precision": ("hf:int8", r"unknown hf engine option 'int8'\. Valid names: bf16, fp16, fp32, fp8"),
-    "unknown engine": ("vllm:fp8", r"unknown engine 'vllm'\. Valid names: hf, llamacpp"),
+    "unknown engine": ("sglang:fp8", r"unknown engine 'sglang'\. Valid names: hf, llamacpp, vllm"),
 }
 
 
