@@ -272,9 +272,14 @@ def checkpointing_name(model) -> str:
     return "activation" if hasattr(type(model), "activation_checkpointing_enable") else "gradient"
 
 
+def unwrapped(model):
+    """The transformers model itself, under peft's wrapper if there is one."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def is_checkpointing(model) -> bool:
     """Whether `model` recomputes its decoder's activations in the backward."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps it
+    base = unwrapped(model)
     return bool(getattr(base, f"is_{checkpointing_name(base)}_checkpointing"))
 
 

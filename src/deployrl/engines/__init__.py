@@ -13,7 +13,7 @@ from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, t
 from deployrl.engines.gguf_io import FILE_TYPES
 from deployrl.engines.hf import PRECISIONS
 from deployrl.engines.vllm_engine import OPTIONS as VLLM_OPTIONS
-from deployrl.models import ModelSource
+from deployrl.models import ModelSource, unwrapped
 from deployrl.registry import Registry, unknown_name_error
 
 __all__ = ["ENGINES", "RolloutBatch", "RolloutEngine", "SamplingParams", "make_engine", "parse_engine_spec", "trainer_view"]
@@ -51,9 +51,9 @@ def _build_vllm(option, model, source, eos_token_ids, context_length, threads, p
     from deployrl.engines.vllm_engine import VLLMEngine
     from deployrl.lora import adapter_scales
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps it
     return VLLMEngine(
-        model.state_dict(), model.config, type(base).__name__, option, eos_token_ids, context_length=context_length or 2048,
+        model.state_dict(), model.config, type(unwrapped(model)).__name__, option, eos_token_ids,
+        context_length=context_length or 2048,
         parallel=parallel, threads=threads, adapter_scales=adapter_scales(model),
     )
 

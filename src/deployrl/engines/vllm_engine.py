@@ -61,7 +61,7 @@ def engine_weights(state_dict: dict[str, torch.Tensor], adapter_scales: dict[str
     """The trainer's weights as vLLM loads them: HF names, adapters folded in (W + s·B·A), the output
     head present even when tied to the embeddings, in the engine's dtype."""
     base, adapters = split_adapter(state_dict, adapter_scales)
-    weights = merge_adapters(base, adapters) if adapters else base
+    weights = merge_adapters(base, adapters)
     if "lm_head.weight" not in weights and getattr(config, "tie_word_embeddings", False):
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return {name: value.detach().to(dtype) for name, value in weights.items()}
@@ -84,7 +84,7 @@ def _write_model(folder: Path, weights: dict[str, torch.Tensor], config, archite
 
 def _bind_threads(threads: Optional[int]) -> None:
     """Process-wide settings vLLM reads when it starts (setdefault: the user's own win). vLLM's CPU
-    worker binds one OpenMP thread per listed core; its own default ("auto") leaves cores out."""
+    worker binds one OpenMP thread per listed core: the first `threads` cores this process may use."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
     cpus = sorted(os.sched_getaffinity(0))[:threads]
@@ -171,10 +171,10 @@ class VLLMEngine(RolloutEngine):
 
     def _check_took(self, weights: dict[str, torch.Tensor]) -> None:
         """The engine's embeddings and output head must be the ones just sent (vLLM keeps them unquantised)."""
-        sent = {"model.embed_tokens.weight": weights["model.embed_tokens.weight"], "lm_head.weight": weights["lm_head.weight"]}
         held = self.llm.apply_model(_read_heads)[0]
-        for name, value in sent.items():
-            rows = held[name][: value.shape[0]].cpu()  # vLLM pads the vocabulary to a multiple of 64
+        for name, padded in held.items():
+            value = weights[name]
+            rows = padded[: value.shape[0]].cpu()  # vLLM pads the vocabulary to a multiple of 64
             if not torch.equal(rows, value):
                 gap = float((rows.float() - value.float()).abs().max())
                 raise KernelMismatch(
