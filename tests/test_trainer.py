@@ -41,6 +41,11 @@ VARIANTS = {
                             "algo.dual_clip=3", "algo.micro_batch_tokens=16"],
     "sgrpo": ["algo.ps.strategy=sgrpo"],
     "refill": ["algo.dynamic_sampling=refill", "algo.max_refill_rounds=3"],
+    # engine proxies: no trainer pass past a cutoff; one epoch fuses the no-grad pass into the graded one
+    "prefix_temporal_tis": ["algo.ps.proxies=engine", "algo.ps.strategy=temporal", "algo.correction=tis"],
+    "prefix_optimized_dc": ["algo.ps.proxies=engine", "algo.ps.strategy=optimized", "algo.dc.penalty=hinge"],
+    "prefix_heuristic_mask_kl_epochs": ["algo.ps.proxies=engine", "algo.ps.strategy=heuristic", "algo.correction=mask",
+                                       "algo.kl_coef=0.1", "algo.ppo_epochs=2", "algo.mini_batches=2"],
 }
 
 
@@ -87,9 +92,8 @@ def test_graded_pass_sees_only_the_sampled_prefixes(tmp_path, tiny_dir):
     rollouts, view = collect(trainer)
     learner = trainer.learner
     old = learner.old_pass(rollouts, view)
-    advantages, weights = learner.advantages(rollouts, old, torch.zeros_like(old.logp), 0.0, 0.0)
-    plan = learner.plan(rollouts, old)
-    update = learner.update(rollouts, old, advantages, weights, plan, view)
+    plan = learner.plan(rollouts, old.proxies())
+    update = learner.update(rollouts, plan, view, 0.0, 0.0, old)
     assert update.tokens_graded == float(plan.cutoffs.sum())
     assert update.tokens_graded < 0.8 * float(rollouts.batch.mask.sum())
 
@@ -110,8 +114,7 @@ def test_update_gradient_does_not_depend_on_micro_batch_packing(variant, tmp_pat
     trainer.model.double()
     rollouts, view = collect(trainer)
     old = learner.old_pass(rollouts, view)
-    advantages, weights = learner.advantages(rollouts, old, torch.zeros_like(old.logp), 0.0, 0.0)
-    plan = learner.plan(rollouts, old)
+    plan = learner.plan(rollouts, old.proxies())
     assert 0 < int(plan.cutoffs.sum()) < rollouts.batch.mask.sum()  # a real prefix sample
     gradients = []
 
@@ -123,7 +126,7 @@ def test_update_gradient_does_not_depend_on_micro_batch_packing(variant, tmp_pat
     calls = []
     for budget in (100_000, 24, 8):
         learner.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=budget))
-        calls.append(learner.update(rollouts, old, advantages, weights, plan, view).micro_batches)
+        calls.append(learner.update(rollouts, plan, view, 0.0, 0.0, old).micro_batches)
     assert calls[0] == 1 < calls[1] < calls[2] and len(gradients) == 3
     for other in gradients[1:]:
         for name, grad in gradients[0].items():

@@ -161,6 +161,9 @@ class DCConfig:
                             lam_name="lam_init")
 
 
+PROXY_SOURCES = ("trainer", "engine")
+
+
 @dataclass(frozen=True)
 class PSConfig:
     """PS-PPO: which tokens the graded pass backpropagates."""
@@ -169,11 +172,18 @@ class PSConfig:
     budget: float = 16.0  # B: expected backpropagated tokens per completion
     xi_min: float = 0.02  # smallest inclusion probability; xi_min x max_new_tokens <= budget
     uncertainty: str = "tv"  # distance for the reward uncertainty u: tv or l2
+    # where the law's inputs come from: trainer (a no-grad pass over every token first) or engine
+    # (what the rollout engine reported while sampling; the trainer then never passes a token past
+    # a row's cutoff: docs/algorithms.md, "Prefix-only update")
+    proxies: str = "trainer"
+    top_m: int = 16  # with engine proxies: most likely tokens per sampled distribution the engine reports (for u)
 
     def __post_init__(self) -> None:
+        check_positive("top_m", self.top_m)
         _choice("cutoff strategy", self.strategy, STRATEGIES.names())
         check_law_settings(self.budget, self.xi_min)  # the law's own bounds
         _choice("uncertainty metric", self.uncertainty, UNCERTAINTY_METRICS)
+        _choice("proxy source", self.proxies, PROXY_SOURCES)
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,15 @@ def all_reduce_sum(values: Sequence[float], world: World) -> list[float]:
     return tensor.cpu().tolist()
 
 
+def all_reduce_tensor(tensor: torch.Tensor, world: World) -> torch.Tensor:
+    """The element-wise sum of `tensor` over the ranks, on CPU (`tensor` itself when not distributed)."""
+    if not world.distributed:
+        return tensor
+    summed = tensor.to(world.device)
+    dist.all_reduce(summed)
+    return summed.cpu()
+
+
 def any_rank(flag: bool, world: World) -> bool:
     """True on every rank when `flag` is True on at least one."""
     return all_reduce_sum([float(flag)], world)[0] > 0

@@ -1,9 +1,16 @@
 """The learner: everything the trainer's model computes from a step's rollouts.
 
-    old_pass    no-grad pass over the full completions: logp_old, logp_ref, the cutoff law's proxies
-    advantages  group advantages per token, with the mismatch correction (DC shaping or weights)
+    old_pass    no-grad pass: logp_old, logp_ref and the cutoff law's proxies over the full
+                completions, or logp_old and logp_ref over each row's prefix up to its cutoff
     plan        the PS-PPO cutoff plan: which prefix of each completion is backpropagated
-    update      PPO epochs over mini-batches; the graded pass sees each row's kept prefix only
+    update      PPO epochs over mini-batches; the graded pass sees each row's kept prefix only;
+                each micro-batch's advantages carry the mismatch correction (DC shaping or weights)
+
+Two orders (`algo.ps.proxies`): ``trainer`` runs the no-grad pass over every token first and
+solves the cutoff law from its proxies; ``engine`` solves the law from what the rollout engine
+reported while sampling, so no trainer pass ever covers a token past a row's cutoff: the no-grad
+pass runs on the prefixes only, and with one PPO epoch, one mini-batch and no KL term not at all
+(`fuses_old_pass`: logp_old is then the graded pass's own log-probs, detached).
 
 Choices: the cutoff plan is drawn once per step and reused by every PPO epoch and mini-batch;
 the graded pass feeds each row only up to its cutoff, and the positions past it keep
@@ -28,12 +35,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from deployrl.algo.advantages import broadcast_to_tokens, compute_advantages
-from deployrl.algo.discrepancy import apply_correction
+from deployrl.algo.discrepancy import CORRECTIONS, apply_correction, token_discrepancy
 from deployrl.algo.losses import batch_denominator, policy_loss
 from deployrl.algo.prefix import STRATEGIES, PrefixPlan, cutoff_law, grad_norm_proxy, group_stats, law_weights, sample_plan
 from deployrl.algo.logprobs import SamplingView
 from deployrl.config import OptimConfig, TrainConfig
-from deployrl.distributed import World, all_reduce_sum, balanced_shares, gather_in_order, shard
+from deployrl.distributed import World, all_reduce_sum, all_reduce_tensor, balanced_shares, gather_in_order, shard
 from deployrl.models import DTYPES, Scorer, decoder_blocks, shares_prompts, token_logprobs
 from deployrl.rollout import Rollouts
 
@@ -79,6 +86,7 @@ class UpdateResult:
     graded_pass_tokens: float  # prompts (once per group and call) + kept tokens, per epoch
     micro_batches: float  # model calls of the graded pass, per epoch
     applied: int  # optimizer updates applied
+    logp_old: torch.Tensor  # [B, T] the logp_old the loss used: given, or the graded pass's (0 past each cutoff)
     skipped: list[SkippedUpdate] = field(default_factory=list)
 
     def metrics(self) -> dict[str, float]:
@@ -172,17 +180,23 @@ class Learner:
         self.generator = torch.Generator().manual_seed(config.seed)
 
     @torch.no_grad()
-    def old_pass(self, rollouts: Rollouts, view: SamplingView, proxies: Optional[tuple[str, ...]] = None) -> OldPass:
-        """logp_old (and logp_ref, `proxies`) over the full completions, in micro-batches.
+    def old_pass(
+        self, rollouts: Rollouts, view: SamplingView, proxies: Optional[tuple[str, ...]] = None,
+        cutoffs: Optional[torch.Tensor] = None,
+    ) -> OldPass:
+        """logp_old (and logp_ref, `proxies`) over the full completions, in micro-batches; with
+        `cutoffs` [B], over each row's first cutoffs[row] tokens only (the rest stays 0).
 
-        `proxies` (default: those of the configured cutoff strategy) are among entropy, grad_norm
-        and uncertainty. For grad_norm and uncertainty the micro-batches hold whole groups and the
-        output head runs per group, so that u and the token statistics share its probabilities.
-        Each rank computes a share of the rows (of the groups) balanced by tokens; the results are
-        gathered.
+        `proxies` (default: those of the configured cutoff strategy when the trainer supplies
+        them, else none) are among entropy, grad_norm and uncertainty. For grad_norm and
+        uncertainty the micro-batches hold whole groups and the output head runs per group, so that
+        u and the token statistics share its probabilities. Each rank computes a share of the rows
+        (of the groups) balanced by tokens; the results are gathered.
         """
-        batch, cfg, k = rollouts.batch, self.config, rollouts.batch.group_size
-        proxies = STRATEGIES.get(cfg.algo.ps.strategy).proxies if proxies is None else proxies
+        cfg, k, width = self.config, rollouts.batch.group_size, rollouts.batch.mask.shape[1]
+        batch = rollouts.batch if cutoffs is None else rollouts.batch.prefixes(cutoffs)
+        if proxies is None:
+            proxies = STRATEGIES.get(cfg.algo.ps.strategy).proxies if cfg.algo.ps.proxies == "trainer" else ()
         by_group, with_entropy = {"grad_norm", "uncertainty"} & set(proxies), "entropy" in proxies
         lengths = [len(p) + int(n) for p, n in zip(batch.prompt_ids, batch.mask.sum(dim=1).tolist())]
         unit_rows = [list(range(g * k, (g + 1) * k)) for g in range(len(rollouts.examples))] if by_group else [
@@ -232,7 +246,6 @@ class Learner:
                     token_logprobs(self.ref_scorer, prompts, completions, mask, view, cfg.model.chunk_tokens).logp
                 )
         row_orders = [[r for micro in plan for unit in micro for r in unit_rows[unit]] for plan in plans]
-        width = batch.mask.shape[1]
 
         def gathered(pieces: list, orders: list[list[int]] = row_orders) -> Optional[torch.Tensor]:
             """The global [rows, T] tensor of this rank's `pieces` (None when the pass did not compute it)."""
@@ -257,29 +270,47 @@ class Learner:
         if backward:
             out.backward()
 
-    def advantages(
-        self, rollouts: Rollouts, old: OldPass, delta: torch.Tensor, lam: float, tolerance: float
+    def token_terms(
+        self, rollouts: Rollouts, rows: torch.Tensor, logp_old: torch.Tensor, known: torch.Tensor, lam: float,
+        tolerance: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(advantages [B, T], weights [B, T]): group advantages per token under the configured
-        mismatch correction; `delta` [B, T] is the discrepancy, `lam` and `tolerance` DC's."""
+        """(advantages [b, T], weights [b, T]) of the batch's `rows` [b] under the configured
+        mismatch correction: group advantages per token, shaped by lam * delta (DC) or weighted
+        (TIS, mask). logp_old [b, T] is known where `known` [b, T]; elsewhere both are 0 (such
+        tokens must carry no loss weight). Row by row, so a micro-batch computes its own."""
         algo, batch = self.config.algo, rollouts.batch
-        advantages = broadcast_to_tokens(compute_advantages(algo.advantage, rollouts.rewards), batch.mask)
+        real = batch.mask[rows] & known
+        delta = token_discrepancy(logp_old, batch.logp_inf[rows], real, algo.dc.signal)
+        group = compute_advantages(algo.advantage, rollouts.rewards).reshape(-1)[rows]  # [b]
         return apply_correction(
-            algo.correction, advantages, delta, old.logp, batch.logp_inf, batch.mask,
+            algo.correction, broadcast_to_tokens(group, real), delta, logp_old, batch.logp_inf[rows], real,
             lam=lam, penalty=algo.dc.penalty, tolerance=tolerance, cap=algo.correction_cap,
         )
 
-    def plan(self, rollouts: Rollouts, old: OldPass) -> PrefixPlan:
-        """The PS-PPO plan: the configured law, solved from `old`'s proxies, and one draw from it."""
+    def fuses_old_pass(self, tolerance_known: bool) -> bool:
+        """True when the update needs no no-grad pass before it (`algo.ps.proxies=engine`, one PPO
+        epoch, one mini-batch, no KL term): its one graded pass gives logp_old, detached. DC's
+        hinge penalty needs the tolerance c before the update, so not before c is known."""
+        algo = self.config.algo
+        return (algo.ps.proxies == "engine" and algo.ppo_epochs == 1 and algo.mini_batches == 1 and algo.kl_coef == 0
+                and (tolerance_known or not CORRECTIONS.get(algo.correction).constrained))
+
+    def plan(self, rollouts: Rollouts, proxies: dict[str, torch.Tensor]) -> PrefixPlan:
+        """The PS-PPO plan: the configured law, solved from `proxies` (trainer's or engine's), and one draw."""
         ps, mask, k = self.config.algo.ps, rollouts.batch.mask, rollouts.batch.group_size
-        xi = cutoff_law(ps.strategy, mask, k, ps.budget, ps.xi_min, law_weights(ps.strategy, old.proxies(), k))
+        xi = cutoff_law(ps.strategy, mask, k, ps.budget, ps.xi_min, law_weights(ps.strategy, proxies, k))
         return sample_plan(ps.strategy, xi, mask, self.generator)
 
     def update(
-        self, rollouts: Rollouts, old: OldPass, advantages: torch.Tensor, weights: torch.Tensor,
-        plan: PrefixPlan, view: SamplingView,
+        self, rollouts: Rollouts, plan: PrefixPlan, view: SamplingView, lam: float, tolerance: float,
+        old: Optional[OldPass] = None,
     ) -> UpdateResult:
         """PPO epochs over mini-batches; the graded pass sees each row's kept prefix only.
+
+        `old` holds logp_old (and logp_ref) at least up to each row's cutoff; None (a fused update,
+        `fuses_old_pass`) takes logp_old from the graded pass itself, detached: the ratio is 1 and the
+        gradient that of the clipped surrogate at pi_old = pi, as with one epoch and one mini-batch.
+        `lam` and `tolerance` are DC's, for the advantages (`token_terms`).
 
         An optimizer update whose loss or gradient norm is not finite is skipped (weights and
         optimizer state untouched) and reported in `UpdateResult.skipped`; the scheduler steps
@@ -288,10 +319,13 @@ class Learner:
         balanced by kept tokens; losses are normalised by the whole mini-batch, and FSDP sums the
         ranks' gradients.
         """
+        if old is None and (self.config.algo.ppo_epochs, self.config.algo.mini_batches) != (1, 1):
+            raise ValueError("an update without logp_old needs one PPO epoch and one mini-batch")
         cfg, batch = self.config, rollouts.batch
         algo = cfg.algo
-        token_weights = weights * plan.weights
         cutoffs = plan.cutoffs.tolist()
+        fed = torch.arange(batch.mask.shape[1])[None, :] < plan.cutoffs[:, None]  # [B, T] positions the graded pass sees
+        logp_old = old.logp if old is not None else torch.zeros(batch.mask.shape)
         prompt_tokens = [len(p) for p in batch.prompt_ids]
         groups = [r // batch.group_size for r in range(len(cutoffs))] if shares_prompts(self.model) else None
         losses, grad_norms, skipped = [], [], []
@@ -326,13 +360,16 @@ class Learner:
                     prompts_fed = {groups[r] if groups else r: prompt_tokens[r] for r in micro}
                     fed_tokens += sum(prompts_fed.values()) + sum(cutoffs[r] for r in micro)
                     calls += 1
-                    logp = old.logp[rows].clone()
+                    if old is None:
+                        logp_old[rows, :width] = torch.where(kept, graded.detach(), 0.0)
+                    logp = logp_old[rows].clone()
                     logp[:, :width] = torch.where(kept, graded, logp[:, :width])
+                    advantages, weights = self.token_terms(rollouts, rows, logp_old[rows], fed[rows], lam, tolerance)
                     out = policy_loss(
-                        logp, old.logp[rows], advantages[rows], batch.mask[rows], token_weights[rows],
+                        logp, logp_old[rows], advantages, batch.mask[rows], weights * plan.weights[rows],
                         eps_low=algo.eps_low, eps_high=algo.eps_high, dual_clip=algo.dual_clip,
                         aggregation=algo.aggregation, max_length=cfg.rollout.max_new_tokens, denominator=count,
-                        logp_ref=None if old.logp_ref is None else old.logp_ref[rows],
+                        logp_ref=None if old is None or old.logp_ref is None else old.logp_ref[rows],
                         kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
                     )
                     out.loss.backward()
@@ -361,10 +398,12 @@ class Learner:
             self.scheduler.step()
         self.model.eval()
         tokens_graded, tokens_fed, micro_calls = all_reduce_sum([graded_tokens, fed_tokens, calls], self.world)
+        if old is None:  # each row's values were computed on one rank, zeros on the others
+            logp_old = all_reduce_tensor(logp_old, self.world)
         return UpdateResult(
             loss=_mean(losses), grad_norm=_mean(grad_norms), clip_fraction=_mean(diagnostics["clip_fraction"]),
             approx_kl_old=_mean(diagnostics["approx_kl_old"]), ratio_mean=_mean(diagnostics["ratio_mean"]),
             kl_ref=_mean(diagnostics["kl_ref"]) if algo.kl_coef > 0 else None,
             tokens_graded=tokens_graded / algo.ppo_epochs, graded_pass_tokens=tokens_fed / algo.ppo_epochs,
-            micro_batches=micro_calls / algo.ppo_epochs, applied=applied, skipped=skipped,
+            micro_batches=micro_calls / algo.ppo_epochs, applied=applied, logp_old=logp_old, skipped=skipped,
         )

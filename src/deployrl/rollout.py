@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from deployrl.algo.advantages import zero_variance_groups
+from deployrl.algo.prefix import STRATEGIES
 from deployrl.config import TrainConfig
 from deployrl.distributed import World, all_gather_rows, all_reduce_sum, any_rank, contiguous_shares, gather_in_order
 from deployrl.engines import make_engine
@@ -137,6 +138,8 @@ class RolloutWorker:
         self.vocab_size = output_head(model).shape[0]
         self.end_tokens = end_token_ids(tokenizer, model)
         self.samples = world.is_main or config.rollout.engine_ranks == "all"
+        ps = config.algo.ps  # the engine reports the distribution statistics the cutoff law is solved from
+        self.top_m = ps.top_m if ps.proxies == "engine" and STRATEGIES.get(ps.strategy).proxies else 0
         # the kernel self-check's sequence, scored by the model now (before sharding: every rank alone)
         self.check_ids = check_ids(tokenizer, self.vocab_size)
         self.reference = reference_logprobs(model, self.check_ids)
@@ -182,7 +185,7 @@ class RolloutWorker:
         cfg = self.config
         mode = cfg.algo.dynamic_sampling if cfg.algo.kl_coef == 0 else "off"  # with KL they still teach
         wanted = cfg.rollout.prompts_per_step
-        params = cfg.rollout.sampling(seed=cfg.seed * 1_000_003 + step)
+        params = replace(cfg.rollout.sampling(seed=cfg.seed * 1_000_003 + step), top_m=self.top_m)
         rollouts = self.sample(stream.take(wanted), params, step)
         if mode == "off":
             return rollouts
@@ -299,4 +302,5 @@ class RolloutWorker:
             semantics=semantics,
             group_size=local.group_size,
             timing={"generate_s": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9)},
+            stats={name: gather_in_order(value, row_shares, world) for name, value in local.stats.items()},
         )

@@ -40,10 +40,12 @@ import torch
 from deployrl.algo.discrepancy import (
     CORRECTIONS,
     DualController,
+    discrepancy_estimate,
     discrepancy_summary,
     token_discrepancy,
     trajectory_discrepancy,
 )
+from deployrl.algo.prefix import STRATEGIES, engine_proxies
 from deployrl.checkpoint import (
     checkpoint_path,
     checkpoint_step,
@@ -180,18 +182,22 @@ class Trainer:
             metrics[f"time/{name}"] = clock[-1] - clock[-2]
 
         if rollouts.examples:
-            batch = rollouts.batch
+            batch, ps = rollouts.batch, cfg.algo.ps
             view = trainer_view(batch.semantics, cfg.rollout.sampling(seed=0))
-            old = learner.old_pass(rollouts, view)
+            if ps.proxies == "trainer":  # a no-grad pass over every token, then the law from its proxies
+                old = learner.old_pass(rollouts, view)
+                plan = learner.plan(rollouts, old.proxies())
+            else:  # the law from the engine's proxies; the trainer sees each row up to its cutoff only
+                plan = learner.plan(rollouts, self._engine_proxies(rollouts))
+                fused = learner.fuses_old_pass(self.state.tolerance is not None)
+                old = None if fused else learner.old_pass(rollouts, view, cutoffs=plan.cutoffs)
             lap("old_pass")
-            delta = token_discrepancy(old.logp, batch.logp_inf, batch.mask, cfg.algo.dc.signal)
-            mean_d = float(trajectory_discrepancy(delta, batch.mask).mean())
-            tolerance = self._tolerance(mean_d)
-            advantages, weights = learner.advantages(rollouts, old, delta, dual.lam, tolerance)
-            plan = learner.plan(rollouts, old)
-            lap("plan")
-            update = learner.update(rollouts, old, advantages, weights, plan, view)
+            measured = self._discrepancy(batch, plan, old.logp) if old is not None else None
+            tolerance = self._tolerance(measured[2] if measured else math.nan)
+            update = learner.update(rollouts, plan, view, dual.lam, tolerance, old)
             lap("update")
+            delta, seen, mean_d = measured or self._discrepancy(batch, plan, update.logp_old)
+            tolerance = self._tolerance(mean_d)
             self._count_skips(update, rollouts)
             if update.applied:  # weights changed: lambda and the engine follow
                 if CORRECTIONS.get(cfg.algo.correction).constrained:
@@ -199,7 +205,8 @@ class Trainer:
                     dual.step(mean_d)
                 self.sync_engine()
             lap("sync")
-            metrics |= {f"dc/{k}": float(v) for k, v in discrepancy_summary(delta, batch.mask, old.logp, tolerance).items()}
+            summary = discrepancy_summary(delta, seen, update.logp_old, tolerance) | {"mean_D": mean_d}
+            metrics |= {f"dc/{k}": float(v) for k, v in summary.items()}
             metrics |= update.metrics() | {
                 "dc/tolerance": tolerance, "ps/tokens_kept": float(plan.keep.sum()),
                 "ps/tokens_total": float(batch.mask.sum()), "ps/expected_kept": float(plan.expected_tokens),
@@ -209,6 +216,26 @@ class Trainer:
         metrics["dc/lambda"] = dual.lam
         self.state.step += 1
         return metrics
+
+    def _engine_proxies(self, rollouts: Rollouts) -> dict[str, torch.Tensor]:
+        """The cutoff law's proxies from the engine's per-token statistics ({} if the law needs none)."""
+        ps, batch = self.config.algo.ps, rollouts.batch
+        if not STRATEGIES.get(ps.strategy).proxies:
+            return {}
+        success = rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)  # [G, K], as the trainer's u
+        return engine_proxies(batch.logp_inf, batch.stats, batch.mask, success, ps.uncertainty)
+
+    def _discrepancy(self, batch, plan, logp_old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(delta [B, T] on the tokens whose logp_old the trainer computed, those tokens [B, T], mean D).
+
+        With trainer proxies that is every token and mean D is exact; with engine proxies it is the
+        kept tokens, and mean D is the unbiased estimate from them (`discrepancy_estimate`)."""
+        signal = self.config.algo.dc.signal
+        if self.config.algo.ps.proxies == "trainer":
+            delta = token_discrepancy(logp_old, batch.logp_inf, batch.mask, signal)
+            return delta, batch.mask, float(trajectory_discrepancy(delta, batch.mask).mean())
+        delta = token_discrepancy(logp_old, batch.logp_inf, plan.keep, signal)
+        return delta, plan.keep, float(discrepancy_estimate(delta, plan.weights, batch.mask).mean())
 
     def _tolerance(self, mean_d: float) -> float:
         """c: set once, from the first batch's mean D (`dc.relative_tolerance` x it) unless configured.

@@ -84,6 +84,19 @@ def trajectory_discrepancy(delta: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return real_tokens_only(delta, mask).sum(dim=1) / mask.bool().sum(dim=1).clamp(min=1)
 
 
+def discrepancy_estimate(delta: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """D_hat [B]: sum_t weights[t] * delta[t] over each completion's real tokens / its real-token count.
+
+    delta, weights, mask [B, T]. With PS-PPO's weights keep / xi (0 where a token was not kept,
+    so delta is needed on kept tokens only), E[keep_t / xi_t] = 1 makes D_hat unbiased for the
+    trajectory discrepancy D: E[D_hat] = sum_t delta_t / T_k. The denominator is the real-token
+    count, fixed by the rollout; dividing by the kept count instead would bias it.
+    """
+    check_same_shape(delta=delta, weights=weights, mask=mask)
+    real = mask.bool()
+    return trajectory_discrepancy(real_tokens_only(delta, real) * real_tokens_only(weights, real), real)
+
+
 def shape_advantages(
     advantages: torch.Tensor,
     delta: torch.Tensor,

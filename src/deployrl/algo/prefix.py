@@ -22,6 +22,11 @@ xi_t = clip(s * f_t, xi_min, 1), so one budget fit serves them all:
 * ``sgrpo``     the S-GRPO baseline: every token kept independently with one probability q
                 (constant f), weight 1/q. It samples tokens, not prefixes.
 
+The proxies come from the trainer (a no-grad pass over every token: `group_stats`) or from the
+rollout engine, which holds each sampled token's next-token distribution anyway
+(`engine_proxies`: its entropy, sum p^2 and m most likely tokens). Any law keeps the gradient
+unbiased; the proxies only set its variance.
+
 Deviation from the seed: the seed writes the surrogate as sum_t w_t (1/xi_t - 1); the constant
 term does not change the minimiser, so it is dropped.
 """
@@ -328,6 +333,84 @@ def group_stats(
         logp=stats[0], entropy=stats[1] if with_entropy else None, sum_p2=stats[2], hidden_norm=norm,
         uncertainty=_carry_forward(u),
     )
+
+
+def engine_proxies(
+    logp: torch.Tensor, stats: Mapping[str, torch.Tensor], mask: torch.Tensor, success: torch.Tensor,
+    metric: str = "tv",
+) -> dict[str, torch.Tensor]:
+    """The cutoff-law proxies from what a rollout engine reported while sampling.
+
+    logp [B, T] the sampled tokens' log-probs, `stats` the engine's per-token statistics of the
+    same distribution: ``entropy`` [B, T], ``sum_p2`` [B, T], ``top_ids`` and ``top_logp``
+    [B, T, m] (its m most likely next tokens); mask [B, T]; success [G, K] bool. Returns
+    entropy [B, T], grad_norm [B, T] = sqrt(1 - 2 p(o_t) + sum p^2) (gamma without ||h||, which
+    an engine does not report: every hidden state counts as norm 1) and uncertainty [G, T] from
+    the top-m distributions (`sparse_uncertainty`).
+    """
+    real = mask.bool()
+    ones = real.to(logp.dtype)
+    return {
+        "entropy": stats["entropy"] * ones,
+        "grad_norm": grad_norm_proxy(logp * ones, stats["sum_p2"] * ones, ones),
+        "uncertainty": sparse_uncertainty(stats["top_ids"], stats["top_logp"], real, success, metric),
+    }
+
+
+def sparse_uncertainty(
+    top_ids: torch.Tensor, top_logp: torch.Tensor, mask: torch.Tensor, success: torch.Tensor, metric: str = "tv"
+) -> torch.Tensor:
+    """u [G, T] of `group_stats` from each token's m most likely next tokens only.
+
+    top_ids [B, T, m] long, top_logp [B, T, m], mask [B, T], success [G, K] bool (B = G*K, rows
+    group-major). Each distribution is its top m probabilities plus one bucket for the rest (the
+    tail, 1 - their sum), so the class means and their distance are those of this coarser
+    distribution: equal to the full u when the top m hold all the mass (m >= the support, as with
+    top-k sampling at k <= m), an approximation otherwise. l2 leaves the tail out. The same
+    rules as `group_stats` where a class has no completion alive.
+    """
+    if metric not in UNCERTAINTY_METRICS:
+        raise unknown_name_error("uncertainty metric", metric, list(UNCERTAINTY_METRICS))
+    check_ndim("top_ids", top_ids, 3, "[B, T, m]")
+    check_same_shape(top_ids=top_ids, top_logp=top_logp)
+    groups, k = success.shape
+    b, t, m = top_ids.shape
+    if b != groups * k or tuple(mask.shape) != (b, t):
+        raise ValueError(f"top_ids {list(top_ids.shape)}, mask {list(mask.shape)} and success {list(success.shape)}"
+                         " must be [G*K, T, m], [G*K, T] and [G, K]")
+    alive = mask.bool().reshape(groups, k, t).to(torch.float64)
+    classes = torch.stack([success, ~success], dim=1).to(torch.float64)  # [G, 2, K]
+    counts = classes @ alive  # [G, 2, T]: completions of each class alive at t
+    # a token's signed weight: 1/n_success for successes, -1/n_failure for failures, 0 at padding
+    per_class = classes[:, :, :, None] * alive[:, None] / counts.clamp(min=1)[:, :, None, :]  # [G, 2, K, T]
+    weight = (per_class[:, 0] - per_class[:, 1])  # [G, K, T]
+    probs = top_logp.to(torch.float64).exp().reshape(groups, k, t, m) * alive[..., None]  # [G, K, T, m]
+    tail = (alive - probs.sum(-1)).clamp(min=0)  # [G, K, T]
+    ids = top_ids.reshape(groups, k, t, m).permute(0, 2, 1, 3).reshape(groups * t, k * m)  # [G*T, K*m]
+    values = (weight[..., None] * probs).permute(0, 2, 1, 3).reshape(groups * t, k * m)
+    diff = _segment_sums(ids, values)  # [G*T, K*m]: class-mean difference per distinct token
+    tail_diff = (weight * tail).sum(dim=1).reshape(-1)  # [G*T]
+    if metric == "tv":
+        dist = 0.5 * (diff.abs().sum(-1) + tail_diff.abs())
+    else:
+        dist = torch.linalg.vector_norm(diff, dim=-1)
+    defined = (counts > 0).all(dim=1).reshape(-1)  # both classes alive at t
+    u = torch.where(defined, dist, torch.nan).reshape(groups, t).to(torch.float32)
+    return torch.stack([_carry_forward(row) for row in u]) if groups else u
+
+
+def _segment_sums(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of ids [R, N], the sum of `values` [R, N] over each distinct id, at that id's last
+    place in sorted order and 0 elsewhere (so |.| and squares sum over distinct ids)."""
+    ids, order = ids.sort(dim=-1)
+    total = values.gather(-1, order).cumsum(dim=-1)
+    last = torch.ones_like(ids, dtype=torch.bool)
+    last[:, :-1] = ids[:, 1:] != ids[:, :-1]  # the last place of each distinct id
+    places = torch.arange(ids.shape[1]).expand_as(ids)
+    before = torch.where(last, places, -1).cummax(dim=-1).values  # [R, N]: the last end at or before each place
+    previous = torch.nn.functional.pad(before[:, :-1], (1, 0), value=-1)  # the end strictly before
+    start_total = torch.where(previous >= 0, total.gather(-1, previous.clamp(min=0)), torch.zeros_like(total))
+    return torch.where(last, total - start_total, torch.zeros_like(total))
 
 
 def _group_chunk(

@@ -40,8 +40,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the model's end-of-sequence tokens
     seed: int = 0
     first_prompt: int = 0  # the index of this call's first prompt in the step (see prompt_generators)
+    top_m: int = 0  # > 0: report each sampled token's distribution statistics too (RolloutBatch.stats)
 
     def __post_init__(self) -> None:
+        if self.top_m < 0:
+            raise ValueError(f"top_m must be >= 0, got {self.top_m}")
         if self.n < 1:
             raise ValueError(f"n (completions per prompt) must be >= 1, got {self.n}")
         if self.max_new_tokens < 1:
@@ -92,6 +95,9 @@ class RolloutBatch:
     semantics: str  # "processed" or "raw"
     group_size: int  # K
     timing: dict[str, float] = field(default_factory=dict)  # seconds, tokens per second
+    # with SamplingParams.top_m = m > 0, statistics of each sampled token's distribution (the one of
+    # `semantics`), 0 on padding: entropy [B, T], sum_p2 [B, T], top_ids [B, T, m] long, top_logp [B, T, m]
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -108,6 +114,16 @@ class RolloutBatch:
             prompt_ids=[p for p, keep in zip(self.prompt_ids, picked) if keep],
             completion_ids=self.completion_ids[rows], logp_inf=self.logp_inf[rows], mask=self.mask[rows],
             finish_reasons=[f for f, keep in zip(self.finish_reasons, picked) if keep],
+            stats={name: value[rows] for name, value in self.stats.items()},
+        )
+
+    def prefixes(self, lengths: torch.Tensor) -> "RolloutBatch":
+        """Each row cut to its first lengths[row] [B] tokens, the batch to the longest of them."""
+        width = int(lengths.max()) if lengths.numel() else 0
+        mask = self.mask[:, :width] & (torch.arange(width)[None, :] < lengths[:, None])
+        return replace(
+            self, completion_ids=self.completion_ids[:, :width], logp_inf=self.logp_inf[:, :width], mask=mask,
+            stats={name: value[:, :width] for name, value in self.stats.items()},
         )
 
     @staticmethod
@@ -116,8 +132,11 @@ class RolloutBatch:
         widest; timings add up."""
         width = max(p.completion_ids.shape[1] for p in parts)
 
+        def padded(value: torch.Tensor) -> torch.Tensor:
+            return nn.functional.pad(value, (0, 0) * (value.dim() - 2) + (0, width - value.shape[1]))
+
         def stacked(name: str) -> torch.Tensor:
-            return torch.cat([nn.functional.pad(getattr(p, name), (0, width - getattr(p, name).shape[1])) for p in parts])
+            return torch.cat([padded(getattr(p, name)) for p in parts])
 
         return RolloutBatch(
             prompt_ids=[p for b in parts for p in b.prompt_ids],
@@ -126,6 +145,7 @@ class RolloutBatch:
             semantics=parts[0].semantics,
             group_size=parts[0].group_size,
             timing={k: sum(b.timing.get(k, 0.0) for b in parts) for k in parts[0].timing},
+            stats={name: torch.cat([padded(p.stats[name]) for p in parts]) for name in parts[0].stats},
         )
 
 
@@ -183,6 +203,21 @@ def check_rollouts(batch: RolloutBatch, prompts: list[list[int]], params: Sampli
         refuse(f"{int((~torch.isfinite(values)).sum())} real tokens have a non-finite logp_inf")
     if values.numel() and float(values.max()) > LOGP_SLACK:
         refuse(f"logp_inf must be <= 0 (a log-probability), got {float(values.max()):.4g}")
+    if params.top_m:
+        missing = [name for name in TOKEN_STATS if name not in batch.stats]
+        if missing:
+            refuse(f"the engine reported no {', '.join(missing)} (asked for with top_m={params.top_m}: PS-PPO's engine"
+                   " proxies, algo.ps.proxies=engine); use algo.ps.proxies=trainer with this engine")
+        for name in TOKEN_STATS:
+            value = batch.stats[name]
+            if tuple(value.shape[:2]) != tuple(mask.shape) or (value.dim() == 3) != name.startswith("top_"):
+                refuse(f"stats[{name!r}] has shape {tuple(value.shape)}, not [B, T{', m' if name.startswith('top_') else ''}]"
+                       f" with [B, T] = {tuple(mask.shape)}")
+            if value.dtype.is_floating_point and not torch.isfinite(value[mask]).all():
+                refuse(f"stats[{name!r}] is not finite on every real token")
+
+
+TOKEN_STATS = ("entropy", "sum_p2", "top_ids", "top_logp")
 
 
 def pad_rollouts(
@@ -193,8 +228,9 @@ def pad_rollouts(
     semantics: str,
     group_size: int,
     timing: dict[str, float],
+    stats: Optional[list[dict[str, torch.Tensor]]] = None,
 ) -> RolloutBatch:
-    """Build a RolloutBatch from ragged per-row lists."""
+    """Build a RolloutBatch from ragged per-row lists; `stats` per row: name -> [length, ...]."""
     width = max((len(c) for c in completions), default=0)
     ids = torch.zeros(len(completions), width, dtype=torch.long)
     logp = torch.zeros(len(completions), width, dtype=torch.float32)
@@ -202,7 +238,13 @@ def pad_rollouts(
         ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         logp[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
     mask = torch.arange(width)[None, :] < torch.tensor([len(c) for c in completions])[:, None]
-    return RolloutBatch(prompt_ids, ids, logp, mask, finish_reasons, semantics, group_size, timing)
+    padded = {}
+    for name in stats[0] if stats else ():
+        first = stats[0][name]
+        padded[name] = first.new_zeros(len(completions), width, *first.shape[1:])
+        for row, row_stats in enumerate(stats):
+            padded[name][row, : len(row_stats[name])] = row_stats[name]
+    return RolloutBatch(prompt_ids, ids, logp, mask, finish_reasons, semantics, group_size, timing, padded)
 
 
 class RolloutEngine(abc.ABC):

@@ -156,7 +156,7 @@ class HFEngine(RolloutEngine):
         stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=device)
         view = params.view
 
-        tokens, logps = [], []
+        tokens, logps, stats = [], [], []
         finished = torch.zeros(len(rows), dtype=torch.bool, device=device)
         lengths = torch.zeros(len(rows), dtype=torch.long, device=device)
         cache, cache_name = None, cache_argument(self.model)
@@ -166,9 +166,10 @@ class HFEngine(RolloutEngine):
                 use_cache=True, logits_to_keep=1, **{cache_name: cache},
             )
             cache = out[cache_name]
-            draw = sample_next(out.logits[:, -1], view, generators, self.semantics)
+            draw = sample_next(out.logits[:, -1], view, generators, self.semantics, params.top_m)
             tokens.append(draw.tokens)
             logps.append(draw.logp)
+            stats.append(draw.stats)
             lengths += (~finished).long()
             finished |= torch.isin(draw.tokens, stop_ids)
             if finished.all():
@@ -179,6 +180,7 @@ class HFEngine(RolloutEngine):
 
         all_tokens = torch.stack(tokens, dim=1).cpu()  # [B, steps]
         all_logps = torch.stack(logps, dim=1).float().cpu()
+        all_stats = {name: torch.stack([step[name] for step in stats], dim=1).cpu() for name in stats[0]}  # [B, steps, ...]
         lengths = lengths.cpu().tolist()
         finish = ["stop" if f else "length" for f in finished.cpu().tolist()]
         elapsed = time.perf_counter() - start
@@ -191,4 +193,5 @@ class HFEngine(RolloutEngine):
             self.semantics,
             params.n,
             {"generate_s": elapsed, "tokens": float(total), "tokens_per_s": total / max(elapsed, 1e-9)},
+            [{name: value[b, :n] for name, value in all_stats.items()} for b, n in enumerate(lengths)],
         )

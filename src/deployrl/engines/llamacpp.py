@@ -127,12 +127,13 @@ class LlamaCppEngine(RolloutEngine):
         cells = self._cache_cells(prompts, params)
         if cells > self.runtime.n_ctx or self.parallel > self.runtime.n_seq:  # `parallel` may have been raised
             self._load(max(math.ceil(cells / CACHE_GRANULE) * CACHE_GRANULE, self.runtime.n_ctx))
-        completions, logps, finish = self._decode_all(prompts, params)
+        completions, logps, finish, stats = self._decode_all(prompts, params)
         elapsed = time.perf_counter() - start
         total = sum(len(c) for c in completions)
         timing = {"generate_s": elapsed, "tokens": float(total), "tokens_per_s": total / max(elapsed, 1e-9)}
         rows = [prompt for prompt in prompts for _ in range(params.n)]
-        return pad_rollouts(rows, completions, logps, finish, self.semantics, params.n, timing)
+        stacked = [{name: torch.stack([step[name] for step in row]) for name in row[0]} if row else {} for row in stats]
+        return pad_rollouts(rows, completions, logps, finish, self.semantics, params.n, timing, stacked)
 
     def _decode_all(self, prompts: list[list[int]], params: SamplingParams):
         """Continuous batching over the P*K completions (rows p*K + k).
@@ -147,6 +148,7 @@ class LlamaCppEngine(RolloutEngine):
         generators = params.completion_generators(len(prompts))
         completions = [[] for _ in generators]
         logps = [[] for _ in generators]
+        stats: list[list[dict[str, torch.Tensor]]] = [[] for _ in generators]  # per row, per token (top_m > 0)
         finish = ["length"] * len(generators)
         waiting = deque(range(len(generators)))
         free_seqs = list(range(runtime.n_seq - 1, -1, -1))
@@ -198,12 +200,14 @@ class LlamaCppEngine(RolloutEngine):
 
             rows = list(seq_of)
             draw = sample_next(torch.stack([logits.pop(r) for r in rows]), params.view, [generators[r] for r in rows],
-                               self.semantics)
+                               self.semantics, params.top_m)
             values = draw.logp
             entries = []
-            for row, token, value in zip(rows, draw.tokens.tolist(), values.tolist()):
+            for i, (row, token, value) in enumerate(zip(rows, draw.tokens.tolist(), values.tolist())):
                 completions[row].append(token)
                 logps[row].append(value)
+                if draw.stats:
+                    stats[row].append({name: stat[i] for name, stat in draw.stats.items()})
                 prompt, length = row // k, len(prompts[row // k])
                 if token in stop_ids or len(completions[row]) == budget:
                     finish[row] = "stop" if token in stop_ids else "length"
@@ -230,4 +234,4 @@ class LlamaCppEngine(RolloutEngine):
                     [seq_of[row] for row, _, _ in entries], [True] * len(entries),
                 )
                 logits.update(zip((row for row, _, _ in entries), new_logits))
-        return completions, logps, finish
+        return completions, logps, finish, stats

@@ -29,6 +29,7 @@ process, trainer included, to one torch thread.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import tempfile
@@ -201,23 +202,48 @@ class VLLMEngine(RolloutEngine):
         requests = [
             VLLMParams(
                 n=params.n, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                max_tokens=params.max_new_tokens, stop_token_ids=stop, logprobs=0, seed=seed, detokenize=False,
+                max_tokens=params.max_new_tokens, stop_token_ids=stop, logprobs=params.top_m, seed=seed, detokenize=False,
             )
             for seed in params.prompt_seeds(len(prompts))
         ]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], requests, use_tqdm=False)
-        rows, completions, logps, finish = [], [], [], []
+        rows, completions, logps, finish, stats = [], [], [], [], []
         for prompt, out in zip(prompts, outputs):
             for completion in sorted(out.outputs, key=lambda c: c.index):
                 rows.append(prompt)
                 tokens = list(completion.token_ids)
                 completions.append(tokens)
                 logps.append([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
+                if params.top_m:
+                    stats.append(_top_stats(completion.logprobs, params.top_m))
                 finish.append("stop" if tokens and tokens[-1] in stop else "length")
         elapsed = time.perf_counter() - start
         total = sum(len(c) for c in completions)
         timing = {"generate_s": elapsed, "tokens": float(total), "tokens_per_s": total / max(elapsed, 1e-9)}
-        return pad_rollouts(rows, completions, logps, finish, self.semantics, params.n, timing)
+        return pad_rollouts(rows, completions, logps, finish, self.semantics, params.n, timing, stats or None)
+
+
+def _top_stats(steps: list, m: int) -> dict[str, torch.Tensor]:
+    """`engines.sampling.token_stats` from the m most likely tokens vLLM reports per step (each
+    step: token id -> Logprob with its 1-based rank; the sampled token is there too, whatever its
+    rank). vLLM does not return the whole distribution, so entropy and sum p^2 are those of the
+    top m plus the rest of the mass (the tail) counted as if spread over tokens as likely as the
+    m-th (one token, if the tail is smaller): approximations, exact when the top m hold all the mass."""
+    ids = torch.zeros(len(steps), m, dtype=torch.long)
+    logp = torch.full((len(steps), m), -math.inf)
+    for t, step in enumerate(steps):
+        top = sorted((entry.rank, token, entry.logprob) for token, entry in step.items() if entry.rank <= m)
+        for j, (_, token, value) in enumerate(top[:m]):
+            ids[t, j], logp[t, j] = token, value
+    probs = logp.exp()
+    tail = (1 - probs.sum(dim=-1)).clamp(min=0)
+    smallest = probs.masked_fill(probs == 0, math.inf).amin(dim=-1).clamp(max=1)  # the m-th probability
+    spread = torch.minimum(smallest, tail)  # the probability of each tail token
+    return {
+        "entropy": torch.special.entr(probs).sum(dim=-1) - torch.special.xlogy(tail, spread),
+        "sum_p2": probs.square().sum(dim=-1) + tail * spread,
+        "top_ids": ids, "top_logp": logp.clamp(min=-1e4),  # finite where vLLM gave fewer than m
+    }
 
 
 def _read_heads(model) -> dict[str, torch.Tensor]:
