@@ -6,6 +6,7 @@ import torch
 from deployrl.algo.discrepancy import (
     DualController,
     correction_weights,
+    discrepancy_estimate,
     discrepancy_summary,
     shape_advantages,
     token_discrepancy,
@@ -135,3 +136,24 @@ def test_bad_arguments():
         correction_weights("mask", x, x, cap=0.5)
     with pytest.raises(ValueError, match="unknown mismatch correction 'tiss'"):
         correction_weights("tiss", x, x)
+
+
+@pytest.mark.parametrize("strategy", ["uniform", "temporal", "optimized", "sgrpo"])
+def test_discrepancy_estimate_from_kept_tokens_is_unbiased(strategy, gen):
+    """D_hat = sum over kept tokens of delta / xi / real length: its mean over cutoff draws is D, and
+    dividing by the kept tokens instead is biased."""
+    from deployrl.algo.prefix import cutoff_law, sample_plan
+
+    k, t, draws = 4, 12, 40000
+    mask = torch.arange(t)[None] < torch.tensor([12, 3, 7, 10, 1, 12, 9, 5])[:, None]
+    delta = torch.rand(8, t, generator=gen) * torch.linspace(0.1, 1.0, t)  # growing with the position
+    xi = cutoff_law(strategy, mask, k, budget=3.0, xi_min=0.05, token_weights=torch.rand(8, t, generator=gen))
+    plan = sample_plan(strategy, xi.repeat(draws, 1), mask.repeat(draws, 1), gen)
+    seen = torch.where(plan.keep, delta.repeat(draws, 1), torch.zeros(()))  # delta is known on kept tokens only
+    estimates = discrepancy_estimate(seen, plan.weights, mask.repeat(draws, 1)).reshape(draws, 8).mean(1)
+    exact = float(trajectory_discrepancy(delta, mask).mean())
+    stderr = float(estimates.std()) / draws ** 0.5
+    assert abs(float(estimates.mean()) - exact) <= 5 * stderr
+    assert plan.keep.sum() < 0.6 * mask.sum() * draws  # a real subsample
+    kept_mean = trajectory_discrepancy(seen, plan.keep).reshape(draws, 8).mean(1)  # normalised by kept tokens
+    assert abs(float(kept_mean.mean()) - exact) > 10 * float(kept_mean.std()) / draws ** 0.5

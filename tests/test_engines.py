@@ -4,7 +4,7 @@ import torch
 from deployrl.algo.discrepancy import token_discrepancy
 from deployrl.algo.logprobs import SamplingView, processed_logits
 from deployrl.engines import make_engine, parse_engine_spec
-from deployrl.engines.base import SamplingParams, trainer_view
+from deployrl.engines.base import MalformedRollouts, SamplingParams, check_rollouts, trainer_view
 from deployrl.engines.hf import HFEngine, quantize_fp8
 from deployrl.engines.sampling import sample_next
 from deployrl.models import ModelSource, token_logprobs
@@ -192,3 +192,45 @@ def test_the_vllm_engine_refuses_to_share_a_process_with_torchrun_ranks(model, m
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="cannot share it with torch.distributed ranks"):
         make_engine("vllm:bf16", model, ModelSource("tiny", None), EOS)
+
+
+def trainer_distributions(model, batch, view):
+    """log p [B, T, V] of every next-token distribution of the batch's completions, processed by `view`."""
+    rows = []
+    with torch.no_grad():
+        for prompt, completion in zip(batch.prompt_ids, batch.completion_ids):
+            ids = torch.tensor(prompt + completion.tolist())[None]
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
+            rows.append(processed_logits(logits.float(), view).log_softmax(dim=-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(n=2, max_new_tokens=10, seed=4, top_m=5),
+    SamplingParams(n=2, max_new_tokens=10, seed=5, temperature=0.7, top_k=5, top_m=8),  # m beyond the support
+])
+def test_engine_statistics_are_the_trainers(model, params):
+    """PS-PPO's engine proxies: entropy, sum p^2 and the top m of each sampled distribution equal the
+    trainer's (fp32: the same kernels, so float32 round-off only)."""
+    batch = HFEngine(model, "fp32", EOS).generate(PROMPTS, params)
+    check_rollouts(batch, PROMPTS, params, model.config.vocab_size)
+    real, view = batch.mask, trainer_view(batch.semantics, params)
+    logp = trainer_distributions(model, batch, view)  # [B, T, V]
+    probs = logp.exp()
+    torch.testing.assert_close(batch.stats["entropy"][real], torch.special.entr(probs).sum(-1)[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batch.stats["sum_p2"][real], probs.square().sum(-1)[real], atol=1e-6, rtol=1e-5)
+    top = logp.topk(params.top_m, dim=-1).values
+    torch.testing.assert_close(batch.stats["top_logp"][real], top[real], atol=1e-5, rtol=0)
+    at_ids = logp.gather(-1, batch.stats["top_ids"])
+    torch.testing.assert_close(at_ids[real], batch.stats["top_logp"][real], atol=1e-5, rtol=0)
+    if params.top_k:
+        assert torch.isinf(batch.stats["top_logp"][real][:, params.top_k:]).all()
+    assert (batch.stats["entropy"][~real] == 0).all() and (batch.stats["top_ids"][~real] == 0).all()
+
+
+def test_engine_statistics_missing_are_refused(model):
+    params = SamplingParams(n=2, max_new_tokens=6, seed=4, top_m=4)
+    batch = HFEngine(model, "fp32", EOS).generate(PROMPTS, params)
+    batch.stats.pop("sum_p2")
+    with pytest.raises(MalformedRollouts, match="reported no sum_p2.*algo.ps.proxies=trainer"):
+        check_rollouts(batch, PROMPTS, params, model.config.vocab_size)

@@ -195,3 +195,23 @@ def test_kernel_self_check_follows_a_trainer_off_the_quantisation_grid(template)
     held = float((engine.score(ids) - reference_on(model, quantised, ids)).abs().mean())
     assert held < naive / 2, (held, naive)  # the kernels' own gap, without the rounding of the weights
     assert torch.equal(reference_logprobs(model, ids), trainer)  # the trainer's own weights are back
+
+
+def test_engine_statistics_are_the_trainers_within_the_kernel_gap(model, template):
+    """PS-PPO's engine proxies from llama.cpp's logits (f32 file): entropy, sum p^2 and p(o_t) equal the
+    trainer's up to the kernels' own discrepancy. A log-prob error of at most e on every token moves
+    H = -sum p log p by at most e * (H + 1) and sum p^2 by at most 2e * sum p^2 (to first order)."""
+    params = SamplingParams(n=2, max_new_tokens=12, seed=6, top_m=4)
+    engine = LlamaCppEngine(model.state_dict(), model.config, template, "f32", EOS, n_ctx=256)
+    batch = engine.generate(PROMPTS, params)
+    real = batch.mask
+    with torch.no_grad():
+        stats = token_logprobs(model, batch.prompt_ids, batch.completion_ids, real,
+                               trainer_view(batch.semantics, params), with_stats=True)
+    gap = float((batch.logp_inf - stats.logp)[real].abs().max())  # the kernels' error on the sampled tokens
+    assert gap < 1e-3
+    error = 10 * gap  # margin: the largest error over the vocabulary exceeds the sampled tokens' one
+    assert (batch.stats["entropy"] - stats.entropy)[real].abs().max() <= error * (stats.entropy[real].max() + 1)
+    assert (batch.stats["sum_p2"] - stats.sum_p2)[real].abs().max() <= 2 * error * stats.sum_p2[real].max()
+    top = batch.stats["top_logp"][real]
+    assert (top[:, :-1] >= top[:, 1:]).all() and (top <= 0).all()

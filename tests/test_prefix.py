@@ -8,10 +8,12 @@ from deployrl.algo.prefix import (
     STRATEGIES,
     alive_counts,
     cutoff_law,
+    engine_proxies,
     grad_norm_proxy,
     group_weight_sums,
     group_stats,
     sample_plan,
+    sparse_uncertainty,
     variance_surrogate,
 )
 
@@ -259,3 +261,56 @@ def test_bad_arguments(gen):
     with pytest.raises(ValueError, match="unknown uncertainty metric"):
         group_stats(torch.zeros(2, 3, 4), torch.zeros(5, 4), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3),
                     torch.ones(2).bool(), "kl")
+
+
+def group_batch(gen, groups=3, k=6, t=13, vocab=17, dim=4):
+    """Hidden states, head, targets, mask and success of `groups` random groups, rows group-major."""
+    hidden = torch.randn(groups * k, t, dim, generator=gen)
+    head = torch.randn(vocab, dim, generator=gen)
+    targets = torch.randint(0, vocab, (groups * k, t), generator=gen)
+    mask = torch.arange(t)[None] < torch.randint(1, t + 1, (groups * k,), generator=gen)[:, None]
+    success = torch.rand(groups, k, generator=gen) < 0.5
+    success[0] = torch.arange(k) % 2 == 0  # both classes in one group at least
+    success[-1] = True  # and one group without failures: u = 1
+    return hidden, head, targets, mask, success
+
+
+@pytest.mark.parametrize("metric", ["tv", "l2"])
+def test_sparse_uncertainty_with_the_whole_support_is_the_trainers(metric, gen):
+    from deployrl.algo.logprobs import SamplingView, processed_logits
+
+    hidden, head, targets, mask, success = group_batch(gen)
+    k = success.shape[1]
+    for view, m in ((SamplingView(), 17), (SamplingView(temperature=0.8, top_k=4), 6)):  # m >= the support
+        logp = processed_logits(hidden @ head.T, view).log_softmax(-1)  # [B, T, V]
+        top_logp, top_ids = logp.topk(m, dim=-1)
+        got = sparse_uncertainty(top_ids, top_logp, mask, success, metric)
+        for g in range(len(success)):
+            rows = slice(g * k, (g + 1) * k)
+            dense = group_stats(hidden[rows], head, targets[rows], mask[rows], success[g], metric, view).uncertainty
+            torch.testing.assert_close(got[g], dense, atol=1e-6, rtol=1e-5)
+    assert torch.equal(got[-1], torch.ones(mask.shape[1]))
+    # fewer tokens than the support: a different (coarser) u, not the same number
+    top_logp, top_ids = (hidden @ head.T).log_softmax(-1).topk(3, dim=-1)
+    dense = group_stats(hidden[:k], head, targets[:k], mask[:k], success[0], metric).uncertainty
+    assert not torch.allclose(sparse_uncertainty(top_ids, top_logp, mask, success, metric)[0], dense)
+
+
+def test_engine_proxies_are_the_trainers_without_the_hidden_norm(gen):
+    hidden, head, targets, mask, success = group_batch(gen)
+    k = success.shape[1]
+    logp_all = (hidden @ head.T).log_softmax(-1)
+    probs = logp_all.exp()
+    logp = logp_all.gather(-1, targets[..., None])[..., 0]
+    top_logp, top_ids = logp_all.topk(17, dim=-1)
+    stats = {"entropy": torch.special.entr(probs).sum(-1), "sum_p2": probs.square().sum(-1),
+             "top_ids": top_ids, "top_logp": top_logp}
+    proxies = engine_proxies(logp, stats, mask, success)
+    for g in range(len(success)):
+        rows = slice(g * k, (g + 1) * k)
+        trainer = group_stats(hidden[rows], head, targets[rows], mask[rows], success[g], with_entropy=True)
+        gamma = grad_norm_proxy(trainer.logp, trainer.sum_p2, trainer.hidden_norm)
+        torch.testing.assert_close(proxies["grad_norm"][rows] * trainer.hidden_norm, gamma, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(proxies["entropy"][rows], trainer.entropy, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(proxies["uncertainty"][g], trainer.uncertainty, atol=1e-6, rtol=1e-5)
+    assert (proxies["grad_norm"][~mask] == 0).all() and (proxies["entropy"][~mask] == 0).all()

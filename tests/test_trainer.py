@@ -9,6 +9,7 @@ import torch
 from deployrl.config import load_config
 from deployrl.configio import ConfigError
 from deployrl.engines.base import SamplingParams, trainer_view
+from deployrl.algo.prefix import cutoff_law, sample_plan
 from deployrl.learner import micro_batches
 from deployrl.trainer import Trainer
 
@@ -293,3 +294,72 @@ def test_kernel_self_check_stops_a_garbage_engine_before_training(tmp_path, tiny
     monkeypatch.setattr(HFEngine, "score", garbage)
     with pytest.raises(KernelMismatch, match=r"engine hf:bf16 fails its kernel self-check: .* differ from the trainer's by \d"):
         Trainer(toy_config(tmp_path / "b", tiny_dir, "steps=1"))
+
+
+def recorded_gradients(learner):
+    """Replace the learner's optimizer step by recording the flat gradient: the weights never move."""
+    gradients = []
+    learner.optimizer.step = lambda: gradients.append(
+        torch.cat([p.grad.reshape(-1) for p in learner.model.parameters() if p.grad is not None]).clone()
+    )
+    learner.scheduler.step = lambda: None
+    return gradients
+
+
+@pytest.mark.parametrize("correction", ["dc", "tis", "mask"])
+def test_prefix_only_update_equals_the_full_pass_update(correction, tmp_path, tiny_dir):
+    """For the same cutoffs, the update with logp_old from a no-grad pass over every token, from one
+    over the prefixes only, and fused into the graded pass (no no-grad pass) has one gradient."""
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.ps.proxies=engine", "algo.ps.strategy=temporal",
+                                 f"algo.correction={correction}", "algo.dc.penalty=hinge", "algo.correction_cap=1.05"))
+    trainer.model.double()  # as in the packing test: float32 log-softmax per token, summed in float64
+    learner = trainer.learner
+    rollouts, view = collect(trainer)
+    mask = rollouts.batch.mask
+    plan = learner.plan(rollouts, learner.engine_proxies(rollouts))
+    assert 0 < int(plan.cutoffs.sum()) < int(mask.sum())  # a real prefix sample
+    gradients = recorded_gradients(learner)
+    full = learner.old_pass(rollouts, view)
+    prefix = learner.old_pass(rollouts, view, cutoffs=plan.cutoffs)
+    fed = torch.arange(mask.shape[1])[None, :] < plan.cutoffs[:, None]
+    assert (prefix.logp[~fed] == 0).all() and not (full.logp[mask & ~fed] == 0).any()
+    results = [learner.update(rollouts, plan, view, 0.5, 0.01, old) for old in (full, prefix, None)]
+    torch.testing.assert_close(results[2].logp_old[fed], full.logp[fed], rtol=0, atol=1e-6)
+    for other in gradients[1:]:
+        torch.testing.assert_close(other, gradients[0], rtol=0, atol=1e-5 * float(gradients[0].abs().max()))
+    assert results[0].loss == pytest.approx(results[2].loss, rel=1e-5, abs=1e-7)
+
+
+def test_prefix_only_update_gradient_is_unbiased(tmp_path, tiny_dir):
+    """Monte Carlo through the real loss and backward: the mean over cutoff draws of the fused
+    prefix-only update's gradient is the full-trajectory gradient, and normalising by the kept
+    tokens instead of the real ones (the biased variant) is caught. Checked on projections of the
+    gradient (onto itself and random directions), each a mean of many independent draws."""
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.ps.proxies=engine", "algo.ps.strategy=uniform",
+                                 "algo.correction=none", "algo.ps.budget=2", "optim.grad_clip=0"))  # clipping is not linear
+    trainer.model.double()
+    learner = trainer.learner
+    rollouts, view = collect(trainer)
+    mask, k = rollouts.batch.mask, rollouts.batch.group_size
+    gradients = recorded_gradients(learner)
+    everything = sample_plan("full", cutoff_law("full", mask, k, 1.0), mask, learner.generator)
+    learner.update(rollouts, everything, view, 0.0, 0.0)
+    full = gradients.pop()
+    draws, kept = 600, []
+    for _ in range(draws):
+        plan = learner.plan(rollouts, {})
+        kept.append(float(plan.keep.sum()))
+        learner.update(rollouts, plan, view, 0.0, 0.0)
+    assert sum(kept) < 0.6 * draws * float(mask.sum())  # a real subsample
+    directions = torch.cat([full[None] / full.norm(), torch.randn(8, full.numel(), generator=torch.Generator().manual_seed(0),
+                                                                  dtype=full.dtype)])
+    estimates = torch.stack(gradients) @ directions.T  # [draws, 9]
+    target = directions @ full
+
+    def z(samples: torch.Tensor) -> torch.Tensor:
+        return (samples.mean(0) - target).abs() / (samples.std(0) / draws ** 0.5)
+
+    assert z(estimates).max() < 5, z(estimates)
+    # token_mean divides by the real tokens; by the kept ones instead, each draw's gradient scales by real / kept
+    biased = estimates * (float(mask.sum()) / torch.tensor(kept, dtype=full.dtype).clamp(min=1))[:, None]
+    assert z(biased)[0] > 10, z(biased)

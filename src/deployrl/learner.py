@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, TypeVar
 
@@ -37,7 +38,9 @@ from torch.distributed.tensor import DTensor
 from deployrl.algo.advantages import broadcast_to_tokens, compute_advantages
 from deployrl.algo.discrepancy import CORRECTIONS, apply_correction, token_discrepancy
 from deployrl.algo.losses import batch_denominator, policy_loss
-from deployrl.algo.prefix import STRATEGIES, PrefixPlan, cutoff_law, grad_norm_proxy, group_stats, law_weights, sample_plan
+from deployrl.algo.prefix import (
+    STRATEGIES, PrefixPlan, cutoff_law, engine_proxies, grad_norm_proxy, group_stats, law_weights, sample_plan,
+)
 from deployrl.algo.logprobs import SamplingView
 from deployrl.config import OptimConfig, TrainConfig
 from deployrl.distributed import World, all_reduce_sum, all_reduce_tensor, balanced_shares, gather_in_order, shard
@@ -86,6 +89,7 @@ class UpdateResult:
     graded_pass_tokens: float  # prompts (once per group and call) + kept tokens, per epoch
     micro_batches: float  # model calls of the graded pass, per epoch
     applied: int  # optimizer updates applied
+    optimizer_s: float  # seconds in gradient clipping and optimizer steps, all epochs
     logp_old: torch.Tensor  # [B, T] the logp_old the loss used: given, or the graded pass's (0 past each cutoff)
     skipped: list[SkippedUpdate] = field(default_factory=list)
 
@@ -96,6 +100,7 @@ class UpdateResult:
             "ps/tokens_graded": self.tokens_graded, "ps/graded_pass_tokens": self.graded_pass_tokens,
             "ps/micro_batches": self.micro_batches,
             "optim/updates": float(self.applied), "optim/skipped_updates": float(len(self.skipped)),
+            "time/optimizer": self.optimizer_s,
         }
         if self.kl_ref is not None:
             metrics["kl_ref"] = self.kl_ref
@@ -195,6 +200,9 @@ class Learner:
         """
         cfg, k, width = self.config, rollouts.batch.group_size, rollouts.batch.mask.shape[1]
         batch = rollouts.batch if cutoffs is None else rollouts.batch.prefixes(cutoffs)
+        if not batch.mask.any():  # every row cut at 0: nothing to compute (the same on every rank)
+            zeros = torch.zeros(rollouts.batch.mask.shape)
+            return OldPass(logp=zeros, logp_ref=zeros.clone() if self.ref_scorer is not None else None)
         if proxies is None:
             proxies = STRATEGIES.get(cfg.algo.ps.strategy).proxies if cfg.algo.ps.proxies == "trainer" else ()
         by_group, with_entropy = {"grad_norm", "uncertainty"} & set(proxies), "entropy" in proxies
@@ -295,6 +303,31 @@ class Learner:
         return (algo.ps.proxies == "engine" and algo.ppo_epochs == 1 and algo.mini_batches == 1 and algo.kl_coef == 0
                 and (tolerance_known or not CORRECTIONS.get(algo.correction).constrained))
 
+    def prepare(
+        self, rollouts: Rollouts, view: SamplingView, tolerance_known: bool
+    ) -> tuple[PrefixPlan, Optional[OldPass], dict[str, float]]:
+        """The step's cutoff plan and no-grad pass, in the order `algo.ps.proxies` sets, with the
+        seconds of each ("old_pass", "plan"). The pass is None when the update fuses it
+        (`fuses_old_pass`; `tolerance_known`: DC's c is set)."""
+        start = time.perf_counter()
+        if self.config.algo.ps.proxies == "trainer":  # a no-grad pass over every token, then the law from its proxies
+            old = self.old_pass(rollouts, view)
+            middle = time.perf_counter()
+            plan = self.plan(rollouts, old.proxies())
+            return plan, old, {"old_pass": middle - start, "plan": time.perf_counter() - middle}
+        plan = self.plan(rollouts, self.engine_proxies(rollouts))  # the trainer sees each row up to its cutoff only
+        middle = time.perf_counter()
+        old = None if self.fuses_old_pass(tolerance_known) else self.old_pass(rollouts, view, cutoffs=plan.cutoffs)
+        return plan, old, {"plan": middle - start, "old_pass": time.perf_counter() - middle}
+
+    def engine_proxies(self, rollouts: Rollouts) -> dict[str, torch.Tensor]:
+        """The cutoff law's proxies from the engine's per-token statistics ({} if the law needs none)."""
+        ps, batch = self.config.algo.ps, rollouts.batch
+        if not STRATEGIES.get(ps.strategy).proxies:
+            return {}
+        success = rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)  # [G, K], as the trainer's u
+        return engine_proxies(batch.logp_inf, batch.stats, batch.mask, success, ps.uncertainty)
+
     def plan(self, rollouts: Rollouts, proxies: dict[str, torch.Tensor]) -> PrefixPlan:
         """The PS-PPO plan: the configured law, solved from `proxies` (trainer's or engine's), and one draw."""
         ps, mask, k = self.config.algo.ps, rollouts.batch.mask, rollouts.batch.group_size
@@ -330,7 +363,7 @@ class Learner:
         groups = [r // batch.group_size for r in range(len(cutoffs))] if shares_prompts(self.model) else None
         losses, grad_norms, skipped = [], [], []
         diagnostics: dict[str, list[float]] = {"clip_fraction": [], "approx_kl_old": [], "ratio_mean": [], "kl_ref": []}
-        graded_tokens, fed_tokens, calls = 0, 0, 0
+        graded_tokens, fed_tokens, calls, optimizer_s = 0, 0, 0, 0.0
         self.model.train()
         for _ in range(algo.ppo_epochs):
             order = torch.randperm(len(cutoffs), generator=self.generator).tolist()
@@ -389,10 +422,12 @@ class Learner:
                     self.optimizer.zero_grad(set_to_none=True)
                     skipped.append(SkippedUpdate(sorted(nonfinite_rows or mini), step_loss, norm))
                     continue
+                started = time.perf_counter()
                 if cfg.optim.grad_clip > 0:
                     torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), cfg.optim.grad_clip, total_norm)
                 grad_norms.append(norm)
                 self.optimizer.step()
+                optimizer_s += time.perf_counter() - started
         applied = len(grad_norms)
         if applied:
             self.scheduler.step()
@@ -405,5 +440,6 @@ class Learner:
             approx_kl_old=_mean(diagnostics["approx_kl_old"]), ratio_mean=_mean(diagnostics["ratio_mean"]),
             kl_ref=_mean(diagnostics["kl_ref"]) if algo.kl_coef > 0 else None,
             tokens_graded=tokens_graded / algo.ppo_epochs, graded_pass_tokens=tokens_fed / algo.ppo_epochs,
-            micro_batches=micro_calls / algo.ppo_epochs, applied=applied, logp_old=logp_old, skipped=skipped,
+            micro_batches=micro_calls / algo.ppo_epochs, applied=applied, optimizer_s=optimizer_s, logp_old=logp_old,
+            skipped=skipped,
         )

@@ -45,7 +45,6 @@ from deployrl.algo.discrepancy import (
     token_discrepancy,
     trajectory_discrepancy,
 )
-from deployrl.algo.prefix import STRATEGIES, engine_proxies
 from deployrl.checkpoint import (
     checkpoint_path,
     checkpoint_step,
@@ -182,16 +181,11 @@ class Trainer:
             metrics[f"time/{name}"] = clock[-1] - clock[-2]
 
         if rollouts.examples:
-            batch, ps = rollouts.batch, cfg.algo.ps
+            batch = rollouts.batch
             view = trainer_view(batch.semantics, cfg.rollout.sampling(seed=0))
-            if ps.proxies == "trainer":  # a no-grad pass over every token, then the law from its proxies
-                old = learner.old_pass(rollouts, view)
-                plan = learner.plan(rollouts, old.proxies())
-            else:  # the law from the engine's proxies; the trainer sees each row up to its cutoff only
-                plan = learner.plan(rollouts, self._engine_proxies(rollouts))
-                fused = learner.fuses_old_pass(self.state.tolerance is not None)
-                old = None if fused else learner.old_pass(rollouts, view, cutoffs=plan.cutoffs)
-            lap("old_pass")
+            plan, old, seconds = learner.prepare(rollouts, view, tolerance_known=self.state.tolerance is not None)
+            metrics |= {f"time/{name}": value for name, value in seconds.items()}
+            clock.append(time.perf_counter())
             measured = self._discrepancy(batch, plan, old.logp) if old is not None else None
             tolerance = self._tolerance(measured[2] if measured else math.nan)
             update = learner.update(rollouts, plan, view, dual.lam, tolerance, old)
@@ -216,14 +210,6 @@ class Trainer:
         metrics["dc/lambda"] = dual.lam
         self.state.step += 1
         return metrics
-
-    def _engine_proxies(self, rollouts: Rollouts) -> dict[str, torch.Tensor]:
-        """The cutoff law's proxies from the engine's per-token statistics ({} if the law needs none)."""
-        ps, batch = self.config.algo.ps, rollouts.batch
-        if not STRATEGIES.get(ps.strategy).proxies:
-            return {}
-        success = rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)  # [G, K], as the trainer's u
-        return engine_proxies(batch.logp_inf, batch.stats, batch.mask, success, ps.uncertainty)
 
     def _discrepancy(self, batch, plan, logp_old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(delta [B, T] on the tokens whose logp_old the trainer computed, those tokens [B, T], mean D).

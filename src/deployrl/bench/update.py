@@ -3,9 +3,14 @@
 Same model, same synthetic rollout batch, same machine, in one run: the update phase of
 full-trajectory GRPO, DAPO, S-GRPO and PS-PPO with each cutoff strategy at one token budget B,
 for several longest completion lengths T_max. The update phase is what `Trainer.learn` does
-between rollout and weight sync, through the learner's public stages: `old_pass` (no-grad
-logp_old and proxies), `advantages`, `plan`, and `update` (one PPO epoch, one mini-batch, so one
-optimizer step).
+between rollout and weight sync, through the learner's public stages: `prepare` (the no-grad
+pass and the cutoff plan) and `update` (one PPO epoch, one mini-batch, so one optimizer step).
+
+PS-PPO runs with the law's inputs from the trainer (`ps:<law>`: a no-grad pass over every token
+first) and from the engine (`ps:<law>:engine`, `algo.ps.proxies=engine`: no trainer pass past a
+row's cutoff; with one epoch the no-grad pass is fused into the graded one). The synthetic
+batch carries engine statistics (entropy, sum p^2, top 16 tokens) drawn at random, like its tokens;
+what an engine spends computing them is part of sampling, not of the update.
 
 Fairness choices:
 * every method sees the same batch: per prompt group, K completions of random tokens with
@@ -42,6 +47,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from deployrl.algo._checks import check_non_negative, check_positive
@@ -56,9 +62,9 @@ GRPO = {"algo.ps.strategy": "full", "algo.aggregation": "seq_mean_token_mean", "
 DAPO = {"algo.ps.strategy": "full", "algo.aggregation": "token_mean", "algo.eps_high": 0.28}
 
 
-def ps_method(strategy: str) -> dict[str, Any]:
+def ps_method(strategy: str, proxies: str = "trainer") -> dict[str, Any]:
     """A budgeted cutoff strategy on the DAPO objective (the trainer's default objective)."""
-    return {**DAPO, "algo.ps.strategy": strategy}
+    return {**DAPO, "algo.ps.strategy": strategy, "algo.ps.proxies": proxies}
 
 
 # Method name -> config overrides (dotted keys of TrainConfig).
@@ -70,7 +76,10 @@ METHODS: dict[str, dict[str, Any]] = {
     "ps:temporal": ps_method("temporal"),
     "ps:heuristic": ps_method("heuristic"),
     "ps:optimized": ps_method("optimized"),
+    "ps:temporal:engine": ps_method("temporal", "engine"),
+    "ps:optimized:engine": ps_method("optimized", "engine"),
 }
+TOP_M = 16  # top tokens per position in the synthetic engine statistics
 REFERENCE = "grpo"  # ratios are taken to full-trajectory GRPO
 
 
@@ -162,7 +171,9 @@ def synthetic_rollouts(examples: list, vocab: int, t_max: int, settings: Setting
     """A Rollouts of `groups` x K rows of random tokens, lengths uniform in [T_max/2, T_max].
 
     Seeded by (seed, T_max): every method gets the same batch at a given T_max. Rewards are
-    0/1 with K//2 ones per group, so no group has zero variance; logp_inf is uniform in [-3, 0].
+    0/1 with K//2 ones per group, so no group has zero variance; logp_inf is uniform in [-3, 0];
+    the engine statistics are those of a random distribution per token over TOP_M random tokens
+    and a tail.
     """
     from deployrl.engines.base import RolloutBatch
     from deployrl.rollout import Rollouts
@@ -176,6 +187,13 @@ def synthetic_rollouts(examples: list, vocab: int, t_max: int, settings: Setting
     completion_ids = torch.randint(0, vocab, (rows, t_max), generator=gen) * mask
     logp_inf = -3 * torch.rand(rows, t_max, generator=gen) * mask
     rewards = torch.stack([(torch.randperm(k, generator=gen) < k // 2).float() for _ in range(g)])  # [G, K]
+    top = (2 * torch.randn(rows, t_max, TOP_M + 1, generator=gen)).log_softmax(dim=-1).sort(dim=-1, descending=True).values
+    probs = top.exp()
+    stats = {
+        "entropy": torch.special.entr(probs).sum(dim=-1) * mask, "sum_p2": probs.square().sum(dim=-1) * mask,
+        "top_ids": torch.randint(0, vocab, (rows, t_max, TOP_M), generator=gen) * mask[..., None],
+        "top_logp": top[..., :TOP_M] * mask[..., None],
+    }
     batch = RolloutBatch(
         prompt_ids=[prompts[row // k].tolist() for row in range(rows)],
         completion_ids=completion_ids,
@@ -184,6 +202,7 @@ def synthetic_rollouts(examples: list, vocab: int, t_max: int, settings: Setting
         finish_reasons=["length" if n == t_max else "stop" for n in lengths.tolist()],
         semantics="processed",
         group_size=k,
+        stats=stats,
     )
     return Rollouts(batch, examples[:g], rewards, [""] * rows, rewards)
 
@@ -220,7 +239,6 @@ def warm_up(trainer, rollouts) -> None:
 
 def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any], repeat: int = 0) -> dict[str, Any]:
     """Build a Trainer for `method`, time and measure one update phase on the synthetic batch."""
-    from deployrl.algo.discrepancy import token_discrepancy
     from deployrl.config import TrainConfig
     from deployrl.configio import build
     from deployrl.engines.base import trainer_view
@@ -241,18 +259,18 @@ def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any
         release_freed_memory()
         with PeakMemory() as memory:  # the stages of Trainer.learn before the weight sync
             start = time.perf_counter()
-            old = learner.old_pass(rollouts, view)
-            after_old = time.perf_counter()
-            delta = token_discrepancy(old.logp, batch.logp_inf, batch.mask, config.algo.dc.signal)
-            advantages, weights = learner.advantages(rollouts, old, delta, trainer.dual.lam, trainer.dual.tolerance)
-            plan = learner.plan(rollouts, old)
-            after_plan = time.perf_counter()
-            update = learner.update(rollouts, old, advantages, weights, plan, view)
+            plan, old, seconds = learner.prepare(rollouts, view, tolerance_known=True)
+            after_prepare = time.perf_counter()
+            update = learner.update(rollouts, plan, view, trainer.dual.lam, trainer.dual.tolerance, old)
             end = time.perf_counter()
         trainer.logger.close()
+    prompts = settings["prompt_tokens"] * settings["groups"]
+    covered = plan.cutoffs if config.algo.ps.proxies == "engine" else batch.mask.sum(dim=1)  # the no-grad pass's extent
+    old_tokens = 0 if old is None else int(covered.sum()) + prompts
     return {
-        "method": method, "t_max": t_max, "repeat": repeat, "seconds": end - start, "old_pass_s": after_old - start,
-        "plan_s": after_plan - after_old, "graded_s": end - after_plan, "peak_bytes": memory.peak,
+        "method": method, "t_max": t_max, "repeat": repeat, "seconds": end - start, "old_pass_s": seconds["old_pass"],
+        "plan_s": seconds["plan"], "graded_s": end - after_prepare - update.optimizer_s,
+        "optimizer_s": update.optimizer_s, "peak_bytes": memory.peak, "old_pass_tokens": old_tokens,
         "tokens_graded": update.tokens_graded, "tokens_expected": float(plan.expected_tokens),
         "tokens_total": float(batch.mask.sum()),
         "graded_pass_tokens": update.graded_pass_tokens, "micro_batches": update.micro_batches,
@@ -263,20 +281,29 @@ def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any
 def summary_rows(results: list[dict[str, Any]], methods: list[str], t_maxes: list[int]) -> list[list[Any]]:
     """One row per (T_max, method): medians over repeats, ratios to the reference's medians."""
 
+    def values(t_max: int, method: str, key: str) -> list[float]:
+        return [r[key] for r in results if r["t_max"] == t_max and r["method"] == method]
+
     def med(t_max: int, method: str, key: str) -> float:
-        return median([r[key] for r in results if r["t_max"] == t_max and r["method"] == method])
+        return median(values(t_max, method, key))
+
+    def model_tokens(t_max: int, method: str) -> float:
+        return med(t_max, method, "old_pass_tokens") + med(t_max, method, "graded_pass_tokens")
 
     rows = []
     for t_max in t_maxes:
         ref_s, ref_mem = med(t_max, REFERENCE, "seconds"), med(t_max, REFERENCE, "peak_bytes")
         for method in methods:
             seconds, peak = med(t_max, method, "seconds"), med(t_max, method, "peak_bytes")
+            mean_s = float(np.mean(values(t_max, method, "seconds")))
             rows.append([
-                t_max, method, seconds, ref_s / seconds, peak / 2**20, peak / ref_mem if ref_mem else float("nan"),
+                t_max, method, seconds, ref_s / seconds, mean_s, float(np.mean(values(t_max, REFERENCE, "seconds"))) / mean_s, model_tokens(t_max, REFERENCE) / max(model_tokens(t_max, method), 1),
+                peak / 2**20, peak / ref_mem if ref_mem else float("nan"),
                 int(med(t_max, method, "tokens_graded")), round(med(t_max, method, "tokens_expected")),
                 int(med(t_max, method, "tokens_total")),
                 int(med(t_max, method, "graded_pass_tokens")), int(med(t_max, method, "micro_batches")),
                 med(t_max, method, "old_pass_s"), med(t_max, method, "plan_s"), med(t_max, method, "graded_s"),
+                med(t_max, method, "optimizer_s"),
             ])
     return rows
 
@@ -299,8 +326,9 @@ def draw_notes(results: list[dict[str, Any]], methods: list[str], t_maxes: list[
 
 
 HEADERS = [
-    "T_max", "method", "update s", "speed-up vs grpo", "peak MB", "memory vs grpo", "tokens backprop",
-    "expected backprop", "tokens total", "graded-pass tokens", "micro-batches", "old pass s", "adv+plan s", "graded s",
+    "T_max", "method", "update s", "speed-up vs grpo", "mean s", "mean speed-up", "ideal", "peak MB", "memory vs grpo", "tokens backprop",
+    "expected backprop", "tokens total", "graded-pass tokens", "micro-batches", "no-grad pass s", "plan s", "graded s",
+    "optimizer s",
 ]
 
 
@@ -363,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         "deployrl bench update", UpdateBenchConfig,
         "Update-phase wall time, peak memory and backpropagated tokens of full GRPO, DAPO, S-GRPO and"
         " PS-PPO (each cutoff strategy) on one synthetic rollout batch per T_max, through the trainer's"
-        " own old_pass / shaped_advantages / cutoff_plan / update (one PPO epoch, one optimizer step),"
+        " own prepare / update (one PPO epoch, one optimizer step), the PS-PPO laws with the trainer's proxies and"
+        " (:engine) with the engine's, no trainer pass past a cutoff,"
         " DC off for all. Each measurement runs in a fresh process; the table shows medians over"
         " repeats and ratios to full GRPO (speed-up = grpo seconds / method seconds; memory = method"
         " peak / grpo peak). CPU only: the trainer keeps its model on the CPU.",
@@ -416,9 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(HEADERS, summary_rows(results, config.methods, config.t_max)))
     print(
-        "\nspeed-up: grpo median seconds / method median seconds; memory: method median peak / grpo median peak;"
+        "\nspeed-up: grpo median seconds / method median seconds; mean speed-up: the same with means over repeats (a flat"
+        " law keeps whole completions or nothing, so its median draw can be free: the mean over draws is its cost); memory: method median peak / grpo median peak;"
         " tokens backprop: completion tokens in the loss (median draw); expected backprop: their expectation, sum of xi;"
-        " graded-pass tokens: prefix tokens + each group's prompt once per micro-batch, fed to the graded forward and backward."
+        " graded-pass tokens: prefix tokens + each group's prompt once per micro-batch, fed to the graded forward and backward;"
+        " ideal: the speed-up if time were proportional to the tokens through the model (no-grad pass + graded pass);"
+        " no-grad pass s: over every token (ps:<law>, grpo, dapo, sgrpo), over the prefixes up to each cutoff"
+        " (:engine with several epochs), none (:engine, one epoch: fused into the graded pass)."
     )
     for note in draw_notes(results, config.methods, config.t_max):
         print(note)

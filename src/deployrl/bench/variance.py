@@ -9,6 +9,12 @@ each cutoff strategy and budget B it reports
 * the mean cosine similarity cos(G_hat, G) over those draws;
 * the tokens kept per completion.
 
+The heuristic and optimized laws are solved from the trainer's proxies (a no-grad pass over
+every token) and, as ``heuristic:engine`` and ``optimized:engine``, from the statistics the
+rollout engine reported while sampling (`algo.ps.proxies=engine`): its entropy, sum p^2 and top m
+tokens per sampled distribution, gamma without ||h||. The optimized one is measured at each m of
+`--top-m` (one sampling at the largest m; a smaller m keeps the first m of each top list).
+
 The gradient is that of the trainer's loss at the sampling policy with respect to the output
 head W [V, D], through the head (for tied embeddings the input-embedding path is left out). Its
 per-token pieces are g_t = a_t (e_{o_t} - p_t) h_t^T with a_t = d loss / d logp_t, so every
@@ -36,10 +42,9 @@ from typing import Optional
 
 import torch
 
-from deployrl.algo.discrepancy import token_discrepancy
 from deployrl.algo.logprobs import SamplingView, processed_logits
 from deployrl.algo.losses import batch_denominator, policy_loss
-from deployrl.algo.prefix import STRATEGIES, cutoff_law, law_weights, sample_plan
+from deployrl.algo.prefix import STRATEGIES, cutoff_law, engine_proxies, law_weights, sample_plan
 from deployrl.algo._checks import check_positive
 from deployrl.bench.measure import cpu_name, table
 from deployrl.configcli import CommandLine, Flag
@@ -47,7 +52,8 @@ from deployrl.configio import ConfigError, split_config_items
 from deployrl.registry import unknown_name_error
 
 BUDGETS = (32, 64, 128, 256)
-SAMPLED = ("uniform", "temporal", "heuristic", "optimized", "sgrpo")
+SAMPLED = ("uniform", "temporal", "heuristic", "optimized", "sgrpo", "heuristic:engine", "optimized:engine")
+TOP_M = (4, 16, 64)
 # Without a config file: the embedded default's one-digit arithmetic, worked step by step (long
 # completions, and a reward SmolLM2-135M earns often enough for groups to disagree; two-digit
 # terms scored 0 of 32 in a round we tried), no mismatch correction.
@@ -114,9 +120,12 @@ def draw_errors(gram: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor
     return sq_error, cosine
 
 
-def loss_coefficients(trainer, rollouts, old, advantages, weights) -> torch.Tensor:
+def loss_coefficients(trainer, rollouts, old) -> torch.Tensor:
     """a [B, T] = d loss / d logp_t at the sampling policy, for the trainer's own loss."""
     algo, mask = trainer.config.algo, rollouts.batch.mask
+    every = torch.arange(mask.shape[0])
+    advantages, weights = trainer.learner.token_terms(rollouts, every, old.logp, mask, trainer.dual.lam,
+                                                      trainer.dual.tolerance)
     logp = old.logp.clone().requires_grad_(True)
     out = policy_loss(
         logp, old.logp, advantages, mask, weights, eps_low=algo.eps_low, eps_high=algo.eps_high,
@@ -145,20 +154,38 @@ def collect_groups(trainer, groups: int, max_rounds: int):
     return Rollouts.cat(parts)
 
 
-def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: int, seed: int) -> dict:
+def law_inputs(strategies, top_m, rollouts, old, metric: str) -> list[tuple[str, str, dict]]:
+    """(row name, strategy, proxies) of each law measured: trainer proxies for a plain strategy,
+    the engine's (at each m of `top_m`, for optimized) for one marked ``:engine``."""
+    batch = rollouts.batch
+    success = rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)
+    laws = []
+    for name in strategies:
+        strategy, _, source = name.partition(":")
+        if not source:
+            laws.append((name, strategy, old.proxies()))
+            continue
+        for m in top_m if strategy == "optimized" else top_m[-1:]:
+            stats = batch.stats | {key: batch.stats[key][..., :m] for key in ("top_ids", "top_logp")}
+            label = f"{name} m={m}" if strategy == "optimized" else name
+            laws.append((label, strategy, engine_proxies(batch.logp_inf, stats, batch.mask, success, metric)))
+    return laws
+
+
+def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: int, seed: int,
+            top_m: tuple[int, ...] = TOP_M) -> dict:
     """All the benchmark's numbers for one trainer (model, engine, task)."""
     from deployrl.engines.base import trainer_view
     from deployrl.models import completion_hidden, output_head
 
     cfg = trainer.config
+    trainer.rollout.top_m = max(top_m)  # the engine reports its statistics for the :engine laws
     rollouts = collect_groups(trainer, groups, max_rounds)
     batch = rollouts.batch
     view = trainer_view(batch.semantics, cfg.rollout.sampling(seed=0))
     learner, k = trainer.learner, batch.group_size
     old = learner.old_pass(rollouts, view, proxies=("entropy", "grad_norm", "uncertainty"))
-    delta = token_discrepancy(old.logp, batch.logp_inf, batch.mask, cfg.algo.dc.signal)
-    advantages, weights = learner.advantages(rollouts, old, delta, trainer.dual.lam, trainer.dual.tolerance)
-    coef = loss_coefficients(trainer, rollouts, old, advantages, weights)
+    coef = loss_coefficients(trainer, rollouts, old)
     real = batch.mask.bool()
     row = torch.arange(real.shape[0])[:, None].expand_as(real)[real]
     with torch.no_grad():
@@ -171,17 +198,18 @@ def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: i
     lengths = batch.mask.sum(dim=1).float()
     generator = torch.Generator().manual_seed(seed)
     results = []
+    laws = law_inputs(strategies, top_m, rollouts, old, cfg.algo.ps.uncertainty)
     for budget in budgets:
-        for strategy in strategies:
+        for name, strategy, proxies in laws:
             xi_groups = cutoff_law(strategy, batch.mask, k, float(budget), cfg.algo.ps.xi_min,
-                                   law_weights(strategy, old.proxies(), k))
+                                   law_weights(strategy, proxies, k))
             xi = xi_groups.repeat_interleave(k, dim=0)[real]
             independent = STRATEGIES.get(strategy).independent_tokens
             plans = [sample_plan(strategy, xi_groups, batch.mask, generator) for _ in range(draws)]
             sq_error, cosine = draw_errors(gram, torch.stack([p.weights[real] for p in plans]))
             kept = torch.stack([p.keep.sum(dim=1).float() for p in plans]).mean()  # per completion
             results.append({
-                "budget": budget, "strategy": strategy,
+                "budget": budget, "strategy": name,
                 "rel_variance": exact_variance(gram, xi, row, independent) / full_sq,
                 "rel_variance_mc": float(sq_error.mean()) / full_sq,
                 "rel_variance_mc_se": float(sq_error.std() / math.sqrt(draws)) / full_sq,
@@ -195,8 +223,9 @@ def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: i
     }
 
 
-def report(numbers: dict, budgets, strategies) -> str:
+def report(numbers: dict, budgets) -> str:
     by = {(r["budget"], r["strategy"]): r for r in numbers["results"]}
+    strategies = list(dict.fromkeys(r["strategy"] for r in numbers["results"]))
     headers = ["strategy"] + [f"B={b}" for b in budgets]
     variance = [["full"] + [0.0] * len(budgets)] + [
         [s] + [f"{by[b, s]['rel_variance']:.3f} ({by[b, s]['rel_variance_mc']:.3f}±{by[b, s]['rel_variance_mc_se']:.3f})"
@@ -222,6 +251,7 @@ class VarianceBenchConfig:
     groups: int = 4  # prompt groups with unequal rewards to gather
     max_rounds: int = 8  # sampling steps at most to gather them
     draws: int = 512  # cutoff draws per strategy and budget
+    top_m: tuple[int, ...] = TOP_M  # m of the :engine laws' top-m distributions (optimized: one row each)
     seed: int = 0
     json: Optional[str] = None  # also write every number as JSON here
 
@@ -233,6 +263,10 @@ class VarianceBenchConfig:
                 raise unknown_name_error("sampled cutoff strategy", strategy, list(SAMPLED))
         for name in ("groups", "max_rounds", "draws"):
             check_positive(name, getattr(self, name))
+        if not self.top_m:
+            raise ValueError("top_m must list at least one m")
+        for m in self.top_m:
+            check_positive("top_m", m)
 
 
 FLAGS = (
@@ -241,6 +275,8 @@ FLAGS = (
     Flag("--groups", "groups", "prompt groups with unequal rewards to gather"),
     Flag("--max-rounds", "max_rounds", "sampling steps at most to gather them"),
     Flag("--draws", "draws", "cutoff draws per strategy and budget"),
+    Flag("--top-m", "top_m", "m of the :engine laws' top-m distributions (optimized:engine gets one row per m)",
+         many=True),
     Flag("--seed", "seed"),
     Flag("--json", "json", "also write every number as JSON"),
 )
@@ -250,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     command_line = CommandLine(
         "deployrl bench variance", VarianceBenchConfig,
         "Gradient variance and cosine similarity to the full-trajectory gradient of each cutoff law"
-        " (uniform, temporal, heuristic, optimized, S-GRPO) at equal token budgets, on real rollouts of"
+        " (uniform, temporal, heuristic, optimized, S-GRPO; heuristic and optimized also from the engine's"
+        " proxies) at equal token budgets, on real rollouts of"
         " a run's model and engine. The gradient is the loss's gradient with respect to the output-head"
         " matrix, computed exactly from per-token inner products (see the module docstring).",
         FLAGS, train_items=(
@@ -272,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             command_line.fail(err)
         trainer = Trainer(config)
         numbers = measure(trainer, bench.budgets, bench.strategies, bench.draws, bench.groups, bench.max_rounds,
-                          bench.seed)
+                          bench.seed, tuple(sorted(bench.top_m)))
         task_name = trainer.task.name
         trainer.logger.close()
     print(
@@ -282,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {numbers['reward_mean']:.2f}; {bench.draws} draws per cell; {cpu_name()},"
         f" torch {torch.__version__}\n"
     )
-    print(report(numbers, bench.budgets, bench.strategies))
+    print(report(numbers, bench.budgets))
     if bench.json:
         Path(bench.json).write_text(json.dumps({"config": path and str(path), "overrides": overrides, **numbers}, indent=2))
     return 0

@@ -97,6 +97,7 @@ class RolloutBatch:
     timing: dict[str, float] = field(default_factory=dict)  # seconds, tokens per second
     # with SamplingParams.top_m = m > 0, statistics of each sampled token's distribution (the one of
     # `semantics`), 0 on padding: entropy [B, T], sum_p2 [B, T], top_ids [B, T, m] long, top_logp [B, T, m]
+    # (-inf for tokens outside a top-k / top-p support)
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -213,8 +214,10 @@ def check_rollouts(batch: RolloutBatch, prompts: list[list[int]], params: Sampli
             if tuple(value.shape[:2]) != tuple(mask.shape) or (value.dim() == 3) != name.startswith("top_"):
                 refuse(f"stats[{name!r}] has shape {tuple(value.shape)}, not [B, T{', m' if name.startswith('top_') else ''}]"
                        f" with [B, T] = {tuple(mask.shape)}")
-            if value.dtype.is_floating_point and not torch.isfinite(value[mask]).all():
-                refuse(f"stats[{name!r}] is not finite on every real token")
+            # top_logp is -inf for tokens outside a top-k / top-p support
+            bad = value[mask].isnan() if name == "top_logp" else ~torch.isfinite(value[mask])
+            if value.dtype.is_floating_point and bad.any():
+                refuse(f"stats[{name!r}] is {'NaN' if name == 'top_logp' else 'not finite'} on some real token")
 
 
 TOKEN_STATS = ("entropy", "sum_p2", "top_ids", "top_logp")

@@ -242,7 +242,7 @@ def _top_stats(steps: list, m: int) -> dict[str, torch.Tensor]:
     return {
         "entropy": torch.special.entr(probs).sum(dim=-1) - torch.special.xlogy(tail, spread),
         "sum_p2": probs.square().sum(dim=-1) + tail * spread,
-        "top_ids": ids, "top_logp": logp.clamp(min=-1e4),  # finite where vLLM gave fewer than m
+        "top_ids": ids, "top_logp": logp,  # -inf where vLLM gave fewer than m
     }
 
 
