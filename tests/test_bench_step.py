@@ -59,14 +59,15 @@ def test_every_row_runs_against_trl_and_the_json_is_written(tiny_gguf, tmp_path,
     assert code == 0
     rows = table_rows(out)
     shipped = "deployrl as shipped (llamacpp:q4_1, correction dc, PS optimized)"
-    assert list(rows) == [step.TRL_LABEL, "deployrl hf:fp32, PS off", "deployrl hf:fp32, PS on", shipped], out
+    assert list(rows) == [step.TRL_LABEL, "deployrl hf:fp32, PS off", "deployrl hf:fp32, PS on",
+                          "deployrl hf:fp32, PS prefix-only", shipped], out
     assert all(len(cells) == 6 for cells in rows.values())  # five numbers and the speed ratio
     assert rows[step.TRL_LABEL][-1] == "1"
     assert "trl 1." in out and "torch threads: 1" in out
     assert list((tmp_path / "cache").iterdir()), "the GGUF was not dequantised into the cache directory"
 
     data = json.loads(out_json.read_text())
-    assert list(data["results"]) == ["trl", "ps_off", "ps_on", "as_shipped"]
+    assert list(data["results"]) == ["trl", "ps_off", "ps_on", "ps_prefix", "as_shipped"]
     for name, result in data["results"].items():
         (record,) = result["steps"]
         assert 0 < record["generation_s"] <= record["step_s"], name

@@ -29,7 +29,7 @@ def table_rows(text: str) -> dict[tuple[int, str], dict[str, str]]:
 
 def test_update_benchmark_prints_a_row_per_length_and_method(tiny_dir, tmp_path, capsys):
     out_json = tmp_path / "update.json"
-    methods = ["grpo", "dapo", "ps:temporal"]
+    methods = ["grpo", "dapo", "ps:temporal", "ps:temporal:engine"]
     code = update.main([
         "--model", str(tiny_dir), "--layers", "0", "--t-max", "32", "64", "--budget", "8", "--prompt-tokens", "4",
         "--repeats", "1", "--threads", "1", "--same-process", "--methods", *methods, "--json", str(out_json),
@@ -46,12 +46,17 @@ def test_update_benchmark_prints_a_row_per_length_and_method(tiny_dir, tmp_path,
         assert int(ps["tokens backprop"]) < int(grpo["tokens backprop"])
         assert int(ps["expected backprop"]) <= 4 * 8  # K x B
         assert {rows[(t_max, m)]["tokens total"] for m in methods} == {grpo["tokens total"]}  # one batch
+        prefix_only = rows[(t_max, "ps:temporal:engine")]
+        assert prefix_only["tokens backprop"] == ps["tokens backprop"]  # the same law and draw
+        assert float(prefix_only["ideal"]) > float(ps["ideal"]) > 1  # and no no-grad pass over every token
     saved = json.loads(out_json.read_text())
     assert saved["settings"]["budget"] == 8 and saved["methods"] == methods
-    assert len(saved["measurements"]) == 6
+    assert len(saved["measurements"]) == 8
     for m in saved["measurements"]:
-        assert m["seconds"] == pytest.approx(m["old_pass_s"] + m["plan_s"] + m["graded_s"])
+        assert m["seconds"] == pytest.approx(m["old_pass_s"] + m["plan_s"] + m["graded_s"] + m["optimizer_s"])
         assert m["threads"] == 1
+        fused = m["method"] == "ps:temporal:engine"  # one epoch: no no-grad pass at all
+        assert (m["old_pass_tokens"] == 0) == fused and (m["old_pass_tokens"] > m["tokens_total"]) != fused
 
 
 def test_measure_one_runs_in_a_fresh_process(tiny_dir):

@@ -53,6 +53,22 @@ def test_logp_inf_is_the_processed_distribution_the_trainer_recomputes(model, en
     assert raw.mean() > 100 * processed.mean()
 
 
+def test_engine_statistics_are_the_trainers_where_the_top_m_hold_the_support(model, engine):
+    """PS-PPO's engine proxies from vLLM's top-m log-probs: with top-k sampling at k = m the top m are
+    the whole support, so entropy and sum p^2 are exact, and the top tokens are the trainer's."""
+    params = SamplingParams(n=3, temperature=0.7, top_k=6, max_new_tokens=10, seed=5, top_m=6)
+    batch = engine.generate(PROMPTS, params)
+    check_rollouts(batch, PROMPTS, params, 48)
+    real = batch.mask
+    stats = token_logprobs(model, batch.prompt_ids, batch.completion_ids, real, view=params.view, with_stats=True)
+    # fp32 on both sides: float rounding, as for logp_inf above
+    torch.testing.assert_close(batch.stats["entropy"][real], stats.entropy[real], atol=1e-3, rtol=0)
+    torch.testing.assert_close(batch.stats["sum_p2"][real], stats.sum_p2[real], atol=1e-3, rtol=0)
+    at = batch.stats["top_ids"] == batch.completion_ids[..., None]  # [B, T, m]: the sampled token among the top m
+    assert at[real].sum(-1).eq(1).all()
+    torch.testing.assert_close(torch.where(at, batch.stats["top_logp"], 0.0).sum(-1)[real], batch.logp_inf[real])
+
+
 def test_seeds_lengths_and_stops(engine):
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=7, stop_token_ids=(5,))
     a = engine.generate(PROMPTS, params)
@@ -127,13 +143,16 @@ def tiny_dir_128(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny-128"), hidden_size=128)
 
 
-@pytest.mark.parametrize("lora", ["model.lora.rank=0", "model.lora.rank=4"])
-def test_training_samples_from_vllm_and_syncs_every_step(tmp_path, tiny_dir_128, lora):
+@pytest.mark.parametrize("overrides", [
+    ["model.lora.rank=0"], ["model.lora.rank=4"],
+    ["model.lora.rank=0", "algo.ps.proxies=engine"],  # the cutoff law from vLLM's top-m statistics
+])
+def test_training_samples_from_vllm_and_syncs_every_step(tmp_path, tiny_dir_128, overrides):
     from test_trainer import toy_config
 
     from deployrl.trainer import Trainer
 
-    trainer = Trainer(toy_config(tmp_path, tiny_dir_128, "rollout.engine=vllm:fp32", "steps=3", lora))
+    trainer = Trainer(toy_config(tmp_path, tiny_dir_128, "rollout.engine=vllm:fp32", "steps=3", *overrides))
     history = trainer.run()
     assert trainer.rollout.engine.name == "vllm:fp32"
     # fp32 trainer and fp32 engine: the measured discrepancy is float rounding, after every sync

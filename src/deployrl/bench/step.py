@@ -57,6 +57,7 @@ HF_ROW = ["rollout.engine=hf:fp32", "algo.correction=none", "algo.dynamic_sampli
 HF_ROWS = {  # name -> (label, overrides on top of the command's), run on the dequantised model
     "ps_off": ("deployrl hf:fp32, PS off", [*HF_ROW, "algo.ps.strategy=full"]),
     "ps_on": ("deployrl hf:fp32, PS on", [*HF_ROW, "algo.ps.strategy=optimized"]),
+    "ps_prefix": ("deployrl hf:fp32, PS prefix-only", [*HF_ROW, "algo.ps.strategy=optimized", "algo.ps.proxies=engine"]),
 }
 TRL_LABEL = "TRL GRPOTrainer"
 # deployrl's loss aggregation -> TRL's loss_type with the same normaliser

@@ -269,7 +269,7 @@ def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any
     old_tokens = 0 if old is None else int(covered.sum()) + prompts
     return {
         "method": method, "t_max": t_max, "repeat": repeat, "seconds": end - start, "old_pass_s": seconds["old_pass"],
-        "plan_s": seconds["plan"], "graded_s": end - after_prepare - update.optimizer_s,
+        "plan_s": after_prepare - start - seconds["old_pass"], "graded_s": end - after_prepare - update.optimizer_s,
         "optimizer_s": update.optimizer_s, "peak_bytes": memory.peak, "old_pass_tokens": old_tokens,
         "tokens_graded": update.tokens_graded, "tokens_expected": float(plan.expected_tokens),
         "tokens_total": float(batch.mask.sum()),
