@@ -295,9 +295,10 @@ def summary_rows(results: list[dict[str, Any]], methods: list[str], t_maxes: lis
         ref_s, ref_mem = med(t_max, REFERENCE, "seconds"), med(t_max, REFERENCE, "peak_bytes")
         for method in methods:
             seconds, peak = med(t_max, method, "seconds"), med(t_max, method, "peak_bytes")
-            mean_s = float(np.mean(values(t_max, method, "seconds")))
+            mean_s, ref_mean = (float(np.mean(values(t_max, m, "seconds"))) for m in (method, REFERENCE))
+            ideal = model_tokens(t_max, REFERENCE) / max(model_tokens(t_max, method), 1)
             rows.append([
-                t_max, method, seconds, ref_s / seconds, mean_s, float(np.mean(values(t_max, REFERENCE, "seconds"))) / mean_s, model_tokens(t_max, REFERENCE) / max(model_tokens(t_max, method), 1),
+                t_max, method, seconds, ref_s / seconds, mean_s, ref_mean / mean_s, ideal,
                 peak / 2**20, peak / ref_mem if ref_mem else float("nan"),
                 int(med(t_max, method, "tokens_graded")), round(med(t_max, method, "tokens_expected")),
                 int(med(t_max, method, "tokens_total")),
@@ -326,7 +327,8 @@ def draw_notes(results: list[dict[str, Any]], methods: list[str], t_maxes: list[
 
 
 HEADERS = [
-    "T_max", "method", "update s", "speed-up vs grpo", "mean s", "mean speed-up", "ideal", "peak MB", "memory vs grpo", "tokens backprop",
+    "T_max", "method", "update s", "speed-up vs grpo", "mean s", "mean speed-up", "ideal", "peak MB", "memory vs grpo",
+    "tokens backprop",
     "expected backprop", "tokens total", "graded-pass tokens", "micro-batches", "no-grad pass s", "plan s", "graded s",
     "optimizer s",
 ]
@@ -446,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(HEADERS, summary_rows(results, config.methods, config.t_max)))
     print(
         "\nspeed-up: grpo median seconds / method median seconds; mean speed-up: the same with means over repeats (a flat"
-        " law keeps whole completions or nothing, so its median draw can be free: the mean over draws is its cost); memory: method median peak / grpo median peak;"
+        " law keeps whole completions or nothing, so its median draw can be free: the mean over draws is its cost);"
+        " memory: method median peak / grpo median peak;"
         " tokens backprop: completion tokens in the loss (median draw); expected backprop: their expectation, sum of xi;"
         " graded-pass tokens: prefix tokens + each group's prompt once per micro-batch, fed to the graded forward and backward;"
         " ideal: the speed-up if time were proportional to the tokens through the model (no-grad pass + graded pass);"
