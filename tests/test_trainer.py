@@ -35,14 +35,16 @@ VARIANTS = {
     "grpo": ["algo.correction=none", "algo.ps.strategy=full"],
     "dr_grpo_tis": ["algo.advantage=dr_grpo", "algo.aggregation=seq_mean_token_sum_norm", "algo.correction=tis",
                     "algo.ps.strategy=uniform"],
+    # algo.ps.proxies=trainer: a no-grad pass over every token, the law from the trainer's proxies
     "rloo_mask_kl": ["algo.advantage=rloo", "algo.aggregation=seq_mean_token_mean", "algo.correction=mask",
-                     "algo.kl_coef=0.1", "algo.ps.strategy=temporal"],
-    "dc_optimized": ["algo.correction=dc", "algo.ps.strategy=optimized", "algo.dc.penalty=hinge"],
+                     "algo.kl_coef=0.1", "algo.ps.strategy=temporal", "algo.ps.proxies=trainer"],
+    "dc_optimized": ["algo.correction=dc", "algo.ps.strategy=optimized", "algo.dc.penalty=hinge",
+                     "algo.ps.proxies=trainer"],
     "dc_heuristic_epochs": ["algo.ps.strategy=heuristic", "algo.ppo_epochs=2", "algo.mini_batches=2",
-                            "algo.dual_clip=3", "algo.micro_batch_tokens=16"],
+                            "algo.dual_clip=3", "algo.micro_batch_tokens=16", "algo.ps.proxies=trainer"],
     "sgrpo": ["algo.ps.strategy=sgrpo"],
     "refill": ["algo.dynamic_sampling=refill", "algo.max_refill_rounds=3"],
-    # engine proxies: no trainer pass past a cutoff; one epoch fuses the no-grad pass into the graded one
+    # engine proxies (the default): no trainer pass past a cutoff; one epoch fuses the no-grad pass into the graded one
     "prefix_temporal_tis": ["algo.ps.proxies=engine", "algo.ps.strategy=temporal", "algo.correction=tis"],
     "prefix_optimized_dc": ["algo.ps.proxies=engine", "algo.ps.strategy=optimized", "algo.dc.penalty=hinge"],
     "prefix_heuristic_mask_kl_epochs": ["algo.ps.proxies=engine", "algo.ps.strategy=heuristic", "algo.correction=mask",
@@ -60,7 +62,7 @@ def test_every_variant_updates_every_parameter(variant, tmp_path, tiny_dir):
     assert not unchanged, f"{variant}: parameters that did not change: {unchanged}"
 
 
-@pytest.mark.parametrize("variant", ["grpo", "dc_optimized"])
+@pytest.mark.parametrize("variant", ["grpo", "dc_optimized", "prefix_optimized_dc"])
 def test_reward_rises_on_a_trivially_learnable_task(variant, tmp_path, tiny_dir):
     trainer = Trainer(toy_config(tmp_path, tiny_dir, "steps=30", *VARIANTS[variant]))
     rewards = [m["reward/mean"] for m in trainer.run()]

@@ -144,8 +144,8 @@ def tiny_dir_128(tmp_path_factory):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["model.lora.rank=0"], ["model.lora.rank=4"],
-    ["model.lora.rank=0", "algo.ps.proxies=engine"],  # the cutoff law from vLLM's top-m statistics
+    ["model.lora.rank=0"], ["model.lora.rank=4"],  # the cutoff law from vLLM's top-m statistics (the default)
+    ["model.lora.rank=0", "algo.ps.proxies=trainer"],
 ])
 def test_training_samples_from_vllm_and_syncs_every_step(tmp_path, tiny_dir_128, overrides):
     from test_trainer import toy_config

@@ -172,10 +172,10 @@ class PSConfig:
     budget: float = 16.0  # B: expected backpropagated tokens per completion
     xi_min: float = 0.02  # smallest inclusion probability; xi_min x max_new_tokens <= budget
     uncertainty: str = "tv"  # distance for the reward uncertainty u: tv or l2
-    # where the law's inputs come from: trainer (a no-grad pass over every token first) or engine
-    # (what the rollout engine reported while sampling; the trainer then never passes a token past
-    # a row's cutoff: docs/algorithms.md, "Prefix-only update")
-    proxies: str = "trainer"
+    # where the law's inputs come from: engine (what the rollout engine reported while sampling; the
+    # trainer never passes a token past a row's cutoff: docs/algorithms.md, "Prefix-only update") or
+    # trainer (a no-grad pass over every token first, then the law from its proxies)
+    proxies: str = "engine"
     top_m: int = 16  # with engine proxies: most likely tokens per sampled distribution the engine reports (for u)
 
     def __post_init__(self) -> None:

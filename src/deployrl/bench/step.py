@@ -55,8 +55,8 @@ from deployrl.registry import unknown_name_error
 # full fine-tuning, as TRL's GRPOTrainer without a peft_config
 HF_ROW = ["rollout.engine=hf:fp32", "algo.correction=none", "algo.dynamic_sampling=off", "model.lora.rank=0"]
 HF_ROWS = {  # name -> (label, overrides on top of the command's), run on the dequantised model
-    "ps_off": ("deployrl hf:fp32, PS off", [*HF_ROW, "algo.ps.strategy=full"]),
-    "ps_on": ("deployrl hf:fp32, PS on", [*HF_ROW, "algo.ps.strategy=optimized"]),
+    "ps_off": ("deployrl hf:fp32, PS off", [*HF_ROW, "algo.ps.strategy=full", "algo.ps.proxies=trainer"]),
+    "ps_on": ("deployrl hf:fp32, PS on", [*HF_ROW, "algo.ps.strategy=optimized", "algo.ps.proxies=trainer"]),
     "ps_prefix": ("deployrl hf:fp32, PS prefix-only", [*HF_ROW, "algo.ps.strategy=optimized", "algo.ps.proxies=engine"]),
 }
 TRL_LABEL = "TRL GRPOTrainer"

@@ -58,8 +58,10 @@ from deployrl.configio import build, nest
 from deployrl.registry import unknown_name_error
 
 T_MAX = (512, 1024, 2048, 4096)
-GRPO = {"algo.ps.strategy": "full", "algo.aggregation": "seq_mean_token_mean", "algo.eps_high": 0.2}
-DAPO = {"algo.ps.strategy": "full", "algo.aggregation": "token_mean", "algo.eps_high": 0.28}
+# the full-trajectory baselines as the papers run them: a no-grad pass for logp_old, then the update
+GRPO = {"algo.ps.strategy": "full", "algo.ps.proxies": "trainer", "algo.aggregation": "seq_mean_token_mean",
+        "algo.eps_high": 0.2}
+DAPO = {**GRPO, "algo.aggregation": "token_mean", "algo.eps_high": 0.28}
 
 
 def ps_method(strategy: str, proxies: str = "trainer") -> dict[str, Any]:
