@@ -365,3 +365,24 @@ def test_prefix_only_update_gradient_is_unbiased(tmp_path, tiny_dir):
     # token_mean divides by the real tokens; by the kept ones instead, each draw's gradient scales by real / kept
     biased = estimates * (float(mask.sum()) / torch.tensor(kept, dtype=full.dtype).clamp(min=1))[:, None]
     assert z(biased)[0] > 10, z(biased)
+
+
+def test_the_tolerance_waits_for_a_batch_with_a_kept_token(tmp_path, tiny_dir):
+    """With engine proxies DC's c comes from D_hat of the kept tokens: a first batch that kept none
+    (D_hat = 0) must not set c = 0, which would push lambda up at every step after."""
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.ps.proxies=engine", "algo.correction=dc", "steps=2"))
+    plan, calls = trainer.learner.plan, []
+
+    def first_keeps_nothing(rollouts, proxies):
+        drawn = plan(rollouts, proxies)
+        calls.append(drawn)
+        if len(calls) > 1:
+            return drawn
+        return replace(drawn, keep=torch.zeros_like(drawn.keep), weights=torch.zeros_like(drawn.weights),
+                       cutoffs=torch.zeros_like(drawn.cutoffs))
+
+    trainer.learner.plan = first_keeps_nothing
+    first = trainer.step()
+    assert trainer.state.tolerance is None and first["ps/tokens_kept"] == 0 and first["dc/mean_D"] == 0
+    trainer.step()
+    assert trainer.state.tolerance is not None and trainer.state.tolerance > 0

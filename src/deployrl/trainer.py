@@ -187,11 +187,12 @@ class Trainer:
             metrics |= {f"time/{name}": value for name, value in seconds.items()}
             clock.append(time.perf_counter())
             measured = self._discrepancy(batch, plan, old.logp) if old is not None else None
-            tolerance = self._tolerance(measured[2] if measured else math.nan)
+            # c is set from a batch with at least one token seen: D_hat of no token is 0, not D
+            tolerance = self._tolerance(measured[2] if measured and measured[1].any() else math.nan)
             update = learner.update(rollouts, plan, view, dual.lam, tolerance, old)
             lap("update")
             delta, seen, mean_d = measured or self._discrepancy(batch, plan, update.logp_old)
-            tolerance = self._tolerance(mean_d)
+            tolerance = self._tolerance(mean_d if seen.any() else math.nan)
             self._count_skips(update, rollouts)
             if update.applied:  # weights changed: lambda and the engine follow
                 if CORRECTIONS.get(cfg.algo.correction).constrained:
