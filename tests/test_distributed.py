@@ -139,6 +139,16 @@ def test_one_engine_on_rank_0_trains_as_one_process(one_and_two, tmp_path, tiny_
 
 
 @pytest.mark.slow
+def test_one_engine_reports_its_statistics_to_every_rank(one_and_two, tmp_path, tiny_dir):
+    """The cutoff law from the engine's statistics with the engine on rank 0 alone: the other ranks,
+    which sample nothing, join the gathers of the statistics and train as one process does."""
+    finished(launch(2, tmp_path, tiny_dir, ["prefix_optimized_dc"], "steps=2", "rollout.engine_ranks=main"))
+    log, single = ranks_log(tmp_path / "prefix_optimized_dc", 0), ranks_log(one_and_two[1] / "prefix_optimized_dc", 0)
+    assert log["reward"] == single["reward"][:2]  # the same completions were sampled
+    assert log["loss"][0] == pytest.approx(single["loss"][0], rel=1e-3, abs=5e-5)
+
+
+@pytest.mark.slow
 def test_lambda_is_the_same_on_every_rank(tmp_path, tiny_dir):
     # a bf16 engine and c below its discrepancy, so that λ moves
     finished(launch(2, tmp_path, tiny_dir, ["dc_optimized"], "steps=4", "rollout.engine=hf:bf16",

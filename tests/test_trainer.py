@@ -386,3 +386,16 @@ def test_the_tolerance_waits_for_a_batch_with_a_kept_token(tmp_path, tiny_dir):
     assert trainer.state.tolerance is None and first["ps/tokens_kept"] == 0 and first["dc/mean_D"] == 0
     trainer.step()
     assert trainer.state.tolerance is not None and trainer.state.tolerance > 0
+
+
+def test_dropout_keeps_the_no_grad_pass(tmp_path, tiny_dir):
+    """The fused update takes logp_old from the graded pass, which runs in training mode: with dropout
+    it would be a noisy logp_old (and delta), so the prefix no-grad pass stays."""
+    plain = Trainer(toy_config(tmp_path / "a", tiny_dir, "algo.ps.proxies=engine", "model.lora.rank=4"))
+    assert plain.learner.fuses_old_pass(tolerance_known=True)
+    noisy = Trainer(toy_config(tmp_path / "b", tiny_dir, "algo.ps.proxies=engine", "model.lora.rank=4",
+                               "model.lora.dropout=0.1"))
+    assert not noisy.learner.fuses_old_pass(tolerance_known=True)
+    rollouts, view = collect(noisy)
+    plan, old, _ = noisy.learner.prepare(rollouts, view, tolerance_known=True)
+    assert old is not None and (old.logp[plan.keep] != 0).all()

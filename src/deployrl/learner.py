@@ -44,7 +44,7 @@ from deployrl.algo.prefix import (
 from deployrl.algo.logprobs import SamplingView
 from deployrl.config import OptimConfig, TrainConfig
 from deployrl.distributed import World, all_reduce_sum, all_reduce_tensor, balanced_shares, gather_in_order, shard
-from deployrl.models import DTYPES, Scorer, decoder_blocks, shares_prompts, token_logprobs
+from deployrl.models import DTYPES, Scorer, decoder_blocks, has_dropout, shares_prompts, token_logprobs
 from deployrl.rollout import Rollouts
 
 T = TypeVar("T")
@@ -185,6 +185,7 @@ class Learner:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, config.steps))
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.dropout = has_dropout(model)
 
     @torch.no_grad()
     def old_pass(
@@ -299,11 +300,12 @@ class Learner:
 
     def fuses_old_pass(self, tolerance_known: bool) -> bool:
         """True when the update needs no no-grad pass before it (`algo.ps.proxies=engine`, one PPO
-        epoch, one mini-batch, no KL term): its one graded pass gives logp_old, detached. DC's
-        hinge penalty needs the tolerance c before the update, so not before c is known."""
+        epoch, one mini-batch, no KL term, no dropout): its one graded pass gives logp_old, detached.
+        Dropout would make that logp_old, and delta, noisier than the policy's; DC's hinge penalty
+        needs the tolerance c before the update, so not before c is known."""
         algo = self.config.algo
         return (algo.ps.proxies == "engine" and algo.ppo_epochs == 1 and algo.mini_batches == 1 and algo.kl_coef == 0
-                and (tolerance_known or not CORRECTIONS.get(algo.correction).constrained))
+                and not self.dropout and (tolerance_known or not CORRECTIONS.get(algo.correction).constrained))
 
     def prepare(
         self, rollouts: Rollouts, view: SamplingView, tolerance_known: bool

@@ -283,6 +283,15 @@ def is_checkpointing(model) -> bool:
     return bool(getattr(base, f"is_{checkpointing_name(base)}_checkpointing"))
 
 
+def has_dropout(model) -> bool:
+    """Whether the model computes differently in training mode: a dropout module with p > 0 (LoRA's
+    included) or a config dropout rate above 0 (transformers applies attention dropout inline)."""
+    config = model.config
+    rates = [getattr(config, name, 0.0) or 0.0 for name in ("attention_dropout", "hidden_dropout", "dropout")]
+    modules = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    return any(float(rate) > 0 for rate in rates + modules)
+
+
 def shares_prompts(model) -> bool:
     """Whether `completion_hidden` runs each distinct prompt once, through a KV cache.
 

@@ -26,7 +26,9 @@ from deployrl.algo.prefix import STRATEGIES
 from deployrl.config import TrainConfig
 from deployrl.distributed import World, all_gather_rows, all_reduce_sum, any_rank, contiguous_shares, gather_in_order
 from deployrl.engines import make_engine
-from deployrl.engines.base import SEMANTICS, RolloutBatch, RolloutEngine, SamplingParams, check_rollouts, pad_rollouts
+from deployrl.engines.base import (
+    SEMANTICS, RolloutBatch, RolloutEngine, SamplingParams, check_rollouts, no_token_stats, pad_rollouts,
+)
 from deployrl.engines.check import check_engine, check_ids, reference_logprobs, reference_on
 from deployrl.errors import EngineError, EngineTimeout, RewardFailure
 from deployrl.models import ModelSource, end_token_ids, load_model, output_head
@@ -263,7 +265,8 @@ class RolloutWorker:
                     check_rollouts(batch, prompt_ids, params, self.vocab_size)
                 else:  # this rank's share of the step is empty
                     semantics = self.engine.semantics if self.engine is not None else "none"  # gather_batch skips it
-                    batch = pad_rollouts([], [], [], [], semantics, params.n, {})
+                    stats = no_token_stats(params.top_m, self.vocab_size) if params.top_m else {}
+                    batch = replace(pad_rollouts([], [], [], [], semantics, params.n, {}), stats=stats)
             except Exception as err:
                 failure = err
                 self.engine = None  # never reused: it may be hung, or broken in a way a retry would repeat

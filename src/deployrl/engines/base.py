@@ -223,6 +223,14 @@ def check_rollouts(batch: RolloutBatch, prompts: list[list[int]], params: Sampli
 TOKEN_STATS = ("entropy", "sum_p2", "top_ids", "top_logp")
 
 
+def no_token_stats(top_m: int, vocab_size: int) -> dict[str, torch.Tensor]:
+    """`RolloutBatch.stats` of a batch without rows, as engines asked for `top_m` report them: a rank
+    whose share of a step is empty still joins the gathers of every statistic, with these."""
+    m = min(top_m, vocab_size)
+    return {"entropy": torch.zeros(0, 0), "sum_p2": torch.zeros(0, 0),
+            "top_ids": torch.zeros(0, 0, m, dtype=torch.long), "top_logp": torch.zeros(0, 0, m)}
+
+
 def pad_rollouts(
     prompt_ids: list[list[int]],
     completions: list[list[int]],
