@@ -23,11 +23,13 @@ from deployrl.configio import load_yaml
 
 TESTS = Path(__file__).resolve().parent
 # the variants cover GRPO, DC-GRPO with PS-PPO's optimized law, and several PPO epochs and
-# mini-batches in micro-batches of 16 tokens (ranks with fewer micro-batches run fillers). A group's
+# mini-batches in micro-batches of 16 tokens (ranks with fewer micro-batches run fillers), and the
+# default prefix-only update (the law from the engine's statistics, logp_old from the graded pass;
+# grpo runs it too, with every token kept). A group's
 # prompt, computed once per rank that holds rows of it, sums its gradient in another order on 2 ranks.
 # Losses and gradient norms agree to within 1e-3 relative; gradient norms are compared because Adam
 # would hide a gradient scaled by the number of ranks.
-VARIANTS = ["grpo", "dc_optimized", "dc_heuristic_epochs"]
+VARIANTS = ["grpo", "dc_optimized", "dc_heuristic_epochs", "prefix_optimized_dc"]
 COMMON = ["rollout.engine=hf:fp32"]  # fp32 sampling: a batch's shape cannot flip a draw
 
 
