@@ -84,7 +84,7 @@ def test_without_trl_an_hf_folder_runs_the_hf_rows_only(tiny_dir, tmp_path, rows
     captured = capsys.readouterr()
     assert code == 0
     rows = table_rows(captured.out)
-    assert list(rows) == ["deployrl hf:fp32, PS off", "deployrl hf:fp32, PS on"]
+    assert list(rows) == ["deployrl hf:fp32, PS off", "deployrl hf:fp32, PS on", "deployrl hf:fp32, PS prefix-only"]
     assert all(len(cells) == 5 for cells in rows.values())  # no speed ratio without TRL
     versions = next(line for line in captured.out.splitlines() if line.startswith("- versions:"))
     assert "speed vs TRL" not in captured.out and "trl " not in versions
