@@ -185,6 +185,11 @@ class PSConfig:
         _choice("uncertainty metric", self.uncertainty, UNCERTAINTY_METRICS)
         _choice("proxy source", self.proxies, PROXY_SOURCES)
 
+    def proxies_from(self, source: str) -> tuple[str, ...]:
+        """The proxies the cutoff law takes from `source` (trainer or engine): the strategy's own
+        (`CutoffStrategy.proxies`) where `proxies` names that source, none elsewhere."""
+        return STRATEGIES.get(self.strategy).proxies if self.proxies == source else ()
+
 
 @dataclass(frozen=True)
 class AlgoConfig:

@@ -39,7 +39,7 @@ from deployrl.algo.advantages import broadcast_to_tokens, compute_advantages
 from deployrl.algo.discrepancy import CORRECTIONS, apply_correction, token_discrepancy
 from deployrl.algo.losses import batch_denominator, policy_loss
 from deployrl.algo.prefix import (
-    STRATEGIES, PrefixPlan, cutoff_law, engine_proxies, grad_norm_proxy, group_stats, law_weights, sample_plan,
+    PrefixPlan, cutoff_law, engine_proxies, grad_norm_proxy, group_stats, law_weights, sample_plan,
 )
 from deployrl.algo.logprobs import SamplingView
 from deployrl.config import OptimConfig, TrainConfig
@@ -206,8 +206,7 @@ class Learner:
         if not batch.mask.any():  # every row cut at 0: nothing to compute (the same on every rank)
             zeros = torch.zeros(rollouts.batch.mask.shape)
             return OldPass(logp=zeros, logp_ref=zeros.clone() if self.ref_scorer is not None else None)
-        if proxies is None:
-            proxies = STRATEGIES.get(cfg.algo.ps.strategy).proxies if cfg.algo.ps.proxies == "trainer" else ()
+        proxies = cfg.algo.ps.proxies_from("trainer") if proxies is None else proxies
         by_group, with_entropy = {"grad_norm", "uncertainty"} & set(proxies), "entropy" in proxies
         lengths = [len(p) + int(n) for p, n in zip(batch.prompt_ids, batch.mask.sum(dim=1).tolist())]
         unit_rows = [list(range(g * k, (g + 1) * k)) for g in range(len(rollouts.examples))] if by_group else [
@@ -219,7 +218,7 @@ class Learner:
         plans = [micro_batches(share, prompt_tokens, [c - p for c, p in zip(costs, prompt_tokens)],
                                cfg.algo.micro_batch_tokens, groups)
                  for share in balanced_shares(costs, self.world.size)]
-        success = rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)  # [G, K]
+        success = rollouts.successes()  # [G, K]
         chunk = max(1, cfg.model.chunk_tokens // k)
 
         def group_reduce(units: list[int], completions: torch.Tensor, mask: torch.Tensor):
@@ -327,10 +326,9 @@ class Learner:
     def engine_proxies(self, rollouts: Rollouts) -> dict[str, torch.Tensor]:
         """The cutoff law's proxies from the engine's per-token statistics ({} if the law needs none)."""
         ps, batch = self.config.algo.ps, rollouts.batch
-        if not STRATEGIES.get(ps.strategy).proxies:
+        if not ps.proxies_from("engine"):
             return {}
-        success = rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)  # [G, K], as the trainer's u
-        return engine_proxies(batch.logp_inf, batch.stats, batch.mask, success, ps.uncertainty)
+        return engine_proxies(batch.logp_inf, batch.stats, batch.mask, rollouts.successes(), ps.uncertainty)
 
     def plan(self, rollouts: Rollouts, proxies: dict[str, torch.Tensor]) -> PrefixPlan:
         """The PS-PPO plan: the configured law, solved from `proxies` (trainer's or engine's), and one draw."""

@@ -22,7 +22,6 @@ from typing import Callable, Optional
 import torch
 
 from deployrl.algo.advantages import zero_variance_groups
-from deployrl.algo.prefix import STRATEGIES
 from deployrl.config import TrainConfig
 from deployrl.distributed import World, all_gather_rows, all_reduce_sum, any_rank, contiguous_shares, gather_in_order
 from deployrl.engines import make_engine
@@ -53,6 +52,11 @@ class Rollouts:
     sampled_rewards: torch.Tensor  # [G_sampled, K] every group sampled this step, dropped ones too
     reward_failures: int = 0
     reward_timeouts: int = 0
+
+    def successes(self) -> torch.Tensor:
+        """[G, K] bool: the completions rewarded above their group's mean (the two classes of the
+        reward uncertainty u of PS-PPO's optimized law)."""
+        return self.rewards > self.rewards.mean(dim=1, keepdim=True)
 
     def select(self, keep: torch.Tensor) -> "Rollouts":
         """The groups where `keep` [G] (bool) is True; what was sampled stays counted."""
@@ -141,7 +145,7 @@ class RolloutWorker:
         self.end_tokens = end_token_ids(tokenizer, model)
         self.samples = world.is_main or config.rollout.engine_ranks == "all"
         ps = config.algo.ps  # the engine reports the distribution statistics the cutoff law is solved from
-        self.top_m = ps.top_m if ps.proxies == "engine" and STRATEGIES.get(ps.strategy).proxies else 0
+        self.top_m = ps.top_m if ps.proxies_from("engine") else 0
         # the kernel self-check's sequence, scored by the model now (before sharding: every rank alone)
         self.check_ids = check_ids(tokenizer, self.vocab_size)
         self.reference = reference_logprobs(model, self.check_ids)

@@ -93,8 +93,7 @@ def discrepancy_estimate(delta: torch.Tensor, weights: torch.Tensor, mask: torch
     count, fixed by the rollout; dividing by the kept count instead would bias it.
     """
     check_same_shape(delta=delta, weights=weights, mask=mask)
-    real = mask.bool()
-    return trajectory_discrepancy(real_tokens_only(delta, real) * real_tokens_only(weights, real), real)
+    return trajectory_discrepancy(delta * weights, mask)  # padding is selected away, whatever it holds
 
 
 def shape_advantages(

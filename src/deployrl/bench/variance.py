@@ -157,8 +157,7 @@ def collect_groups(trainer, groups: int, max_rounds: int):
 def law_inputs(strategies, top_m, rollouts, old, metric: str) -> list[tuple[str, str, dict]]:
     """(row name, strategy, proxies) of each law measured: trainer proxies for a plain strategy,
     the engine's (at each m of `top_m`, for optimized) for one marked ``:engine``."""
-    batch = rollouts.batch
-    success = rollouts.rewards > rollouts.rewards.mean(dim=1, keepdim=True)
+    batch, success = rollouts.batch, rollouts.successes()
     laws = []
     for name in strategies:
         strategy, _, source = name.partition(":")
