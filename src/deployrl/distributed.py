@@ -179,6 +179,14 @@ def all_reduce_tensor(tensor: torch.Tensor, world: World) -> torch.Tensor:
     return summed.cpu()
 
 
+def close_world() -> None:
+    """Destroy the process group once every rank has arrived: a rank that destroys it while another
+    still works (rank 0 writing files) was seen to abort at exit (SIGABRT in gloo's teardown)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def any_rank(flag: bool, world: World) -> bool:
     """True on every rank when `flag` is True on at least one."""
     return all_reduce_sum([float(flag)], world)[0] > 0

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     config, args = command_line.parse(argv)
 
     from deployrl.checkpoint import CheckpointError, latest_checkpoint
+    from deployrl.distributed import close_world
     from deployrl.models import UnsupportedModelError
     from deployrl.runlog import RunDirectoryError
     from deployrl.tasks import TaskDataError
@@ -66,8 +67,5 @@ def main(argv: list[str] | None = None) -> int:
         written = trainer.export(Path(args.export))
         if written:
             print("exported: " + ", ".join(str(p) for p in written.values()))
-    if trainer.world.distributed:
-        import torch.distributed
-
-        torch.distributed.destroy_process_group()
+    close_world()
     return 0
