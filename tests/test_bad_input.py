@@ -89,6 +89,9 @@ CONFIG_CASES = {
     "K = 1 with group advantages": (["rollout.group_size=1"], r"group_size must be >= 2, got 1: .*rollout\.group_size=2"),
     "no room for a prompt": (["rollout.context_length=32", "rollout.max_new_tokens=32"],
                              r"context_length=32 leaves no room for a prompt next to max_new_tokens=32"),
+    "merged adapters outside vLLM": (["rollout.lora_serving=merged"],
+                                     r"lora_serving=merged is a vllm engine option; llamacpp:q4_1 serves adapters"),
+    "unknown LoRA serving": (["rollout.lora_serving=merge"], r"lora_serving"),
     "xi_min beyond the budget": (["algo.ps.xi_min=0.5", "algo.ps.budget=8"], r"exceeds algo\.ps\.budget=8"),
     "overlong buffer beyond the completion": (["algo.overlong_buffer=64"], r"overlong_buffer=64 exceeds rollout\.max_new_tokens"),
     "llama.cpp engine on a Hugging Face model": (

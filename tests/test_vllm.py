@@ -96,7 +96,7 @@ def test_sync_follows_the_trainer_and_a_stale_head_is_an_error(model, engine):
     assert check_engine(engine, new, ids) < 1e-3
     assert (engine.score(ids) - old).abs().mean() > 0.05
     # a reload that skips the (tied) output head must not pass as a discrepancy
-    weights = engine_weights(model.state_dict(), {}, model.config, torch.float32)
+    weights = engine_weights(model.state_dict(), model.config, torch.float32)
     partial = {k: v for k, v in weights.items() if k not in ("lm_head.weight", "model.embed_tokens.weight")}
     engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(partial.items())})
     with pytest.raises(KernelMismatch, match="did not take the trainer's weights"):
@@ -105,20 +105,40 @@ def test_sync_follows_the_trainer_and_a_stale_head_is_an_error(model, engine):
     assert check_engine(engine, old, ids) < 1e-3
 
 
-def test_lora_adapters_are_folded_into_the_engine(model):
-    from deployrl.lora import add_lora
+def randomise_adapters(model, std: float = 0.2) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+
+
+@pytest.mark.parametrize("option, serving", [("fp32", "adapter"), ("fp8_per_channel", "adapter"), ("fp32", "merged")])
+def test_lora_adapters_are_served_or_merged_and_follow_each_sync(model, option, serving):
+    from deployrl.lora import adapter_scales, add_lora, split_adapter
 
     adapted = add_lora(copy.deepcopy(model), rank=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj", "down_proj"))
-    with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.2)
+    randomise_adapters(adapted)
     ids = [1, 5, 6, 7, 8, 9, 10, 11]
-    lora_engine = make_engine("vllm:fp32", adapted, ModelSource("tiny", None), [EOS], context_length=64, parallel=4)
+    lora_engine = make_engine(f"vllm:{option}", adapted, ModelSource("tiny", None), [EOS], context_length=64, parallel=4,
+                              lora_serving=serving)
     try:
-        reference = reference_logprobs(adapted, ids)
-        assert (reference - reference_logprobs(model, ids)).abs().mean() > 0.05  # the adapters matter
-        assert check_engine(lora_engine, reference, ids) < 1e-3
+        assert (lora_engine._lora is not None) == (serving == "adapter")  # a LoRA request, or adapters in the base
+        first = reference_logprobs(adapted, ids)
+        assert (first - reference_logprobs(model, ids)).abs().mean() > 0.05  # the adapters matter
+        first_adapters = split_adapter(copy.deepcopy(adapted.state_dict()), adapter_scales(adapted))[1]
+        # fp32: float rounding; fp8: the base's rounding, within the self-check's bound
+        assert check_engine(lora_engine, first, ids) < (1e-3 if option == "fp32" else 1.5)
+        randomise_adapters(adapted)
+        second = reference_logprobs(adapted, ids)
+        lora_engine.sync(adapted.state_dict())
+        if option == "fp32":
+            assert check_engine(lora_engine, second, ids) < 1e-3
+            assert (lora_engine.score(ids) - first).abs().mean() > 0.05
+        if serving == "adapter":
+            # the check of the sync reads vLLM's LoRA layers back (bf16 under fp8: the rounding bound
+            # holds): the adapter the engine held before this sync is stale now
+            with pytest.raises(KernelMismatch, match="did not take the trainer's LoRA adapter"):
+                lora_engine._check_adapters(first_adapters)
     finally:
         lora_engine.close()
 

@@ -44,6 +44,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_LR, FULL_LR = 2e-4, 5e-5  # optim.lr when it is not set
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
 ENGINE_RANKS = ("all", "main")
+LORA_SERVING = ("adapter", "merged")
 MAX_SEED = 2**32 - 1  # numpy's seed range, the narrowest of the generators a run seeds
 
 
@@ -109,10 +110,16 @@ class RolloutConfig:
     # 1 is faster for llamacpp: docs/engines.md)
     threads: Optional[int] = None
     parallel: int = 32  # llamacpp, vllm: completions decoded together in one batch (1 = one at a time)
+    # LoRA adapters in the engine: adapter (served beside the frozen base, as deployed adapters run; vLLM:
+    # LoRA requests) or merged (vllm only: folded into the base at every sync, then quantised with it)
+    lora_serving: str = "adapter"
 
     def __post_init__(self) -> None:
-        parse_engine_spec(self.engine)
+        kind, _ = parse_engine_spec(self.engine)
         _choice("engine_ranks", self.engine_ranks, ENGINE_RANKS)
+        _choice("lora_serving", self.lora_serving, LORA_SERVING)
+        if self.lora_serving == "merged" and kind != "vllm":
+            raise ValueError(f"lora_serving=merged is a vllm engine option; {self.engine} serves adapters beside the base")
         check_positive("prompts_per_step", self.prompts_per_step)
         check_non_negative("max_retries", self.max_retries)
         if self.threads is not None:

@@ -118,13 +118,33 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_adapter(model: nn.Module, directory: Path, weights: dict[str, torch.Tensor]) -> None:
     """Write the adapter `weights` (under `saved_name`s) and the model's LoRA config in peft's
     layout into `directory` (created if needed)."""
+    _save_peft(directory, weights, model.peft_config[ADAPTER])
+
+
+def write_adapters(directory: Path, adapters: dict[str, Adapter]) -> None:
+    """`split_adapter`'s adapters in peft's layout, as a server (vLLM) loads them: one rank and
+    scale for every module (what `add_lora` makes), alpha = scale * rank."""
+    from peft import LoraConfig
+
+    shapes = {(adapter.a.shape[0], adapter.scale) for adapter in adapters.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"adapters with different (rank, scale) pairs {sorted(shapes)}: peft's layout takes one")
+    (rank, scale), = shapes
+    weights = {}
+    for module, adapter in adapters.items():
+        weights[f"{module}.lora_A.weight"], weights[f"{module}.lora_B.weight"] = adapter.a, adapter.b
+    targets = sorted({module.rsplit(".", 1)[-1] for module in adapters})
+    _save_peft(directory, weights, LoraConfig(r=rank, lora_alpha=scale * rank, target_modules=targets, task_type="CAUSAL_LM"))
+
+
+def _save_peft(directory: Path, weights: dict[str, torch.Tensor], config) -> None:
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file({PEFT_PREFIX + k: v.contiguous() for k, v in weights.items()}, directory / ADAPTER_WEIGHTS,
               metadata={"format": "pt"})
-    model.peft_config[ADAPTER].save_pretrained(directory)
+    config.save_pretrained(directory)
 
 
 def read_adapter_config(directory: Path):

@@ -160,7 +160,7 @@ class RolloutWorker:
         rollout, cfg = self.config.rollout, self.config.model
         model = self.model if weights is None else load_model(self.source, cfg.dtype, False, cfg.trust_remote_code)
         engine = make_engine(rollout.engine, model, self.source, self.end_tokens, rollout.context_length,
-                             threads=rollout.threads, parallel=rollout.parallel)
+                             threads=rollout.threads, parallel=rollout.parallel, lora_serving=rollout.lora_serving)
         if weights is not None:
             engine.sync(weights)
         self.check_kernels(engine)

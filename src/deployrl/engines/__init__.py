@@ -26,13 +26,13 @@ class EngineKind:
     build: Callable[..., RolloutEngine]
 
 
-def _build_hf(option, model, source, eos_token_ids, context_length, threads, parallel):
+def _build_hf(option, model, source, eos_token_ids, context_length, threads, parallel, lora_serving):
     from deployrl.engines.hf import HFEngine
 
     return HFEngine(model, option, eos_token_ids, context_length)
 
 
-def _build_llamacpp(option, model, source: ModelSource, eos_token_ids, context_length, threads, parallel):
+def _build_llamacpp(option, model, source: ModelSource, eos_token_ids, context_length, threads, parallel, lora_serving):
     from deployrl.engines.llamacpp import LlamaCppEngine
     from deployrl.lora import adapter_scales
 
@@ -47,14 +47,14 @@ def _build_llamacpp(option, model, source: ModelSource, eos_token_ids, context_l
     )
 
 
-def _build_vllm(option, model, source, eos_token_ids, context_length, threads, parallel):
+def _build_vllm(option, model, source, eos_token_ids, context_length, threads, parallel, lora_serving):
     from deployrl.engines.vllm_engine import VLLMEngine
     from deployrl.lora import adapter_scales
 
     return VLLMEngine(
         model.state_dict(), model.config, type(unwrapped(model)).__name__, option, eos_token_ids,
         context_length=context_length or 2048,
-        parallel=parallel, threads=threads, adapter_scales=adapter_scales(model),
+        parallel=parallel, threads=threads, adapter_scales=adapter_scales(model), merge_adapters=lora_serving == "merged",
     )
 
 
@@ -82,10 +82,12 @@ def make_engine(
     context_length: Optional[int] = None,
     threads: Optional[int] = None,
     parallel: int = 32,
+    lora_serving: str = "adapter",
 ) -> RolloutEngine:
     """Build the engine `spec` from the trainer's model (its own copy of the weights).
 
     `threads` (None: every CPU) and `parallel` (completions decoded together) apply to llamacpp
-    and vllm; the hf engine decodes all completions together on torch's threads."""
+    and vllm; the hf engine decodes all completions together on torch's threads. `lora_serving`
+    (`RolloutConfig`'s): a model's LoRA adapters served beside the base, or merged into it (vllm)."""
     kind_name, option = parse_engine_spec(spec)
-    return ENGINES.get(kind_name).build(option, model, source, eos_token_ids, context_length, threads, parallel)
+    return ENGINES.get(kind_name).build(option, model, source, eos_token_ids, context_length, threads, parallel, lora_serving)

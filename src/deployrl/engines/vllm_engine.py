@@ -14,11 +14,19 @@ the trainer recomputes. Each prompt is one request for its K completions (vLLM's
 sampling: the prompt is evaluated once and its prefix cache shared), seeded by (seed, prompt),
 so a prompt's completions do not depend on the other prompts of the call.
 
-`sync` hands the trainer's weights to vLLM in place (`reload_weights`, no file), LoRA adapters
-folded into the base, the output head passed explicitly even when tied to the embeddings; then
-it reads back the engine's embeddings and output head and refuses to go on if they are not the
-weights it sent (a stale head makes a fake "discrepancy"). The kernel self-check (check.py)
-covers the rest.
+`sync` hands the trainer's weights to vLLM in place (`reload_weights`, no file), the output head
+passed explicitly even when tied to the embeddings; then it reads back the engine's embeddings
+and output head and refuses to go on if they are not the weights it sent (a stale head makes a
+fake "discrepancy"). The kernel self-check (check.py) covers the rest.
+
+A model with LoRA adapters is served as vLLM serves adapters: the engine loads the (frozen) base
+once, quantised as the option says, and every request carries the adapter (a LoRA request, the
+adapter in bf16/fp32 beside a quantised base, as a multi-LoRA deployment runs it). `sync` writes
+only the adapter (peft's layout, a few MB, into the engine's temporary folder) and reloads it in
+place; then it reads the adapter back from vLLM's LoRA layers and refuses a stale one. With
+``merge_adapters`` (``rollout.lora_serving=merged``) the adapters are folded into the base at
+every sync instead (W + s·B·A, then quantised: the deployment of a merged model; on the CPU
+vLLM's LoRA kernels cost more than the merge, docs/engines.md).
 
 vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``), so it cannot sit
 beside torch.distributed ranks of the trainer (refused at start). Before vLLM loads, deployrl
@@ -42,7 +50,7 @@ import torch
 
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
 from deployrl.engines.check import KernelMismatch
-from deployrl.lora import merge_adapters, split_adapter
+from deployrl.lora import Adapter, merge_adapters, split_adapter, write_adapters
 from deployrl.registry import unknown_name_error
 
 # option -> (dtype vLLM computes in, vLLM `quantization`)
@@ -56,13 +64,14 @@ OPTIONS: dict[str, tuple[torch.dtype, Optional[str]]] = {
     "fp8_per_block": (torch.bfloat16, "fp8_per_block"),
 }
 KV_CACHE_BYTES_PER_CELL_FLOOR = 1 << 20  # at least 1 MiB of KV cache per completion decoded together
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+LORA_NAME, LORA_ID = "deployrl", 1  # the one adapter, reloaded in place at every sync
 
 
-def engine_weights(state_dict: dict[str, torch.Tensor], adapter_scales: dict[str, float], config, dtype: torch.dtype):
-    """The trainer's weights as vLLM loads them: HF names, adapters folded in (W + s·B·A), the output
-    head present even when tied to the embeddings, in the engine's dtype."""
-    base, adapters = split_adapter(state_dict, adapter_scales)
-    weights = merge_adapters(base, adapters)
+def engine_weights(base: dict[str, torch.Tensor], config, dtype: torch.dtype):
+    """The trainer's (base) weights as vLLM loads them: HF names, the output head present even
+    when tied to the embeddings, in the engine's dtype."""
+    weights = dict(base)
     if "lm_head.weight" not in weights and getattr(config, "tie_word_embeddings", False):
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     return {name: value.detach().to(dtype) for name, value in weights.items()}
@@ -106,6 +115,7 @@ class VLLMEngine(RolloutEngine):
         parallel: int = 32,
         threads: Optional[int] = None,
         adapter_scales: Optional[dict[str, float]] = None,
+        merge_adapters: bool = False,
         seed: int = 0,
     ) -> None:
         if option not in OPTIONS:
@@ -127,19 +137,24 @@ class VLLMEngine(RolloutEngine):
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
         self.adapter_scales = dict(adapter_scales or {})
+        self.merges_adapters = merge_adapters
         self._context = context_length
         self._folder = Path(tempfile.mkdtemp(prefix="deployrl-vllm-"))
         self._remove_folder = weakref.finalize(self, shutil.rmtree, self._folder, True)  # also at exit
         start = time.perf_counter()
+        base, adapters = self._split(state_dict)
+        self._lora = None  # the LoRA request every generation carries, once adapters are loaded
         try:
-            weights = engine_weights(state_dict, self.adapter_scales, config, self.dtype)
-            _write_model(self._folder, weights, config, architecture)
+            _write_model(self._folder, engine_weights(base, config, self.dtype), config, architecture)
             self.llm = vllm.LLM(
                 model=str(self._folder), dtype=self.dtype, quantization=quantization, seed=seed,
                 skip_tokenizer_init=True, distributed_executor_backend="uni", enforce_eager=not torch.cuda.is_available(),
                 logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_model_len=context_length,
                 max_num_seqs=parallel, kv_cache_memory_bytes=self._kv_cache_bytes(config, context_length, parallel),
+                **_lora_options(adapters),
             )
+            if adapters:
+                self._load_adapters(adapters)
         except Exception as err:
             self.close()
             raise RuntimeError(f"vLLM could not start engine {self.name}: {err}") from err
@@ -163,12 +178,56 @@ class VLLMEngine(RolloutEngine):
         self._remove_folder()
 
     def sync(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """The trainer's weights into the engine: the adapters alone when it serves LoRA (the base is
+        frozen), else every weight."""
         start = time.perf_counter()
-        weights = engine_weights(state_dict, self.adapter_scales, self.config, self.dtype)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
-        self.llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights
-        self._check_took(weights)
+        base, adapters = self._split(state_dict)
+        if self._lora is not None:
+            self._load_adapters(adapters)
+        else:
+            weights = engine_weights(base, self.config, self.dtype)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+            self.llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights
+            self._check_took(weights)
         self.last_sync_s = time.perf_counter() - start
+
+    def _split(self, state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Adapter]]:
+        """(base weights, adapters to serve): with `merge_adapters`, the adapters folded into the base and none to serve."""
+        base, adapters = split_adapter(state_dict, self.adapter_scales)
+        return (merge_adapters(base, adapters), {}) if self.merges_adapters else (base, adapters)
+
+    def _load_adapters(self, adapters: dict[str, Adapter]) -> None:
+        """Write the adapters, reload them in place under the one LoRA id, make vLLM activate them
+        (a one-token request) and check that its LoRA layers hold them."""
+        from vllm import SamplingParams as VLLMParams
+        from vllm.lora.request import LoRARequest
+
+        folder = self._folder / "adapter"
+        write_adapters(folder, adapters)
+        self.llm.llm_engine.add_lora(LoRARequest(LORA_NAME, LORA_ID, str(folder), load_inplace=True))
+        self._lora = LoRARequest(LORA_NAME, LORA_ID, str(folder))
+        self.llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old adapter
+        self.llm.generate([{"prompt_token_ids": [self.eos_token_ids[0]]}], VLLMParams(max_tokens=1, detokenize=False),
+                          use_tqdm=False, lora_request=self._lora)
+        self._check_adapters(adapters)
+
+    def _check_adapters(self, adapters: dict[str, Adapter]) -> None:
+        """vLLM's LoRA layers must hold the adapters just sent: A in the engine's dtype, and B scaled
+        by alpha / r (vLLM folds the scale into B after casting it: one more rounding allowed)."""
+        held = self.llm.apply_model(_read_adapters)[0]
+        eps = torch.finfo(self.dtype).eps
+        for module, adapter in adapters.items():
+            a, b = _held_adapter(held, module, adapter.a.shape[0])
+            sent_a, sent_b = adapter.a.to(self.dtype), adapter.b.to(self.dtype) * adapter.scale
+            gap_a = float((a.float() - sent_a.float()).abs().max())
+            gap_b = float(((b.float() - sent_b.float()).abs() - eps * sent_b.float().abs()).max())
+            if gap_a > 0 or gap_b > 0:
+                raise KernelMismatch(
+                    f"engine {self.name} did not take the trainer's LoRA adapter: after the sync its {module} adapter"
+                    f" differs from the one sent (A by {gap_a:.3g}, B beyond one rounding by {gap_b:.3g}); sampling"
+                    " from it would count the old adapter as discrepancy. Way out: rollout.engine=hf:bf16 or"
+                    " llamacpp, and a bug report with vLLM's version"
+                )
 
     def _check_took(self, weights: dict[str, torch.Tensor]) -> None:
         """The engine's embeddings and output head must be the ones just sent (vLLM keeps them unquantised)."""
@@ -189,7 +248,7 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams as VLLMParams
 
         params = VLLMParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
+        out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False, lora_request=self._lora)[0]
         scored = out.prompt_logprobs  # [len] of {token: Logprob}, None at position 0
         return torch.tensor([scored[t][token_ids[t]].logprob for t in range(1, len(token_ids))], dtype=torch.float32)
 
@@ -206,7 +265,8 @@ class VLLMEngine(RolloutEngine):
             )
             for seed in params.prompt_seeds(len(prompts))
         ]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], requests, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], requests, use_tqdm=False,
+                                    lora_request=self._lora)
         rows, completions, logps, finish, stats = [], [], [], [], []
         for prompt, out in zip(prompts, outputs):
             for completion in sorted(out.outputs, key=lambda c: c.index):
@@ -244,6 +304,38 @@ def _top_stats(steps: list, m: int) -> dict[str, torch.Tensor]:
         "sum_p2": probs.square().sum(dim=-1) + tail * spread,
         "top_ids": ids, "top_logp": logp,  # -inf where vLLM gave fewer than m
     }
+
+
+def _lora_options(adapters: dict[str, Adapter]) -> dict:
+    """vLLM's options to serve `adapters` (none without): one adapter, vLLM's smallest max rank that holds it."""
+    if not adapters:
+        return {}
+    rank = max(adapter.a.shape[0] for adapter in adapters.values())
+    if rank > LORA_RANKS[-1]:
+        raise ValueError(f"LoRA rank {rank}: vLLM serves adapters of rank <= {LORA_RANKS[-1]} (model.lora.rank)")
+    return {"enable_lora": True, "max_loras": 1, "max_lora_rank": next(r for r in LORA_RANKS if r >= rank)}
+
+
+def _read_adapters(model) -> dict:
+    """{layer: ([A slices], [B slices])} of slot 0 of every LoRA layer of a vLLM model, and how it packs
+    projections into one layer ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}) (run inside vLLM's worker)."""
+    layers = {name: ([a[0, 0].clone() for a in m.lora_a_stacked], [b[0, 0].clone() for b in m.lora_b_stacked])
+              for name, m in model.named_modules() if hasattr(m, "lora_a_stacked")}
+    return {"layers": layers, "packed": dict(getattr(model, "packed_modules_mapping", {}))}
+
+
+def _held_adapter(held: dict, module: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [r, in], B·scale [out, r]) that vLLM holds for the HF module `module` (e.g.
+    model.layers.0.self_attn.q_proj: slice 0 of its qkv_proj layer), cut to the adapter's rank."""
+    parent, _, short = module.rpartition(".")
+    layer, index = module, 0
+    for packed, parts in held["packed"].items():
+        if short in parts:
+            layer, index = f"{parent}.{packed}", parts.index(short)
+    if layer not in held["layers"]:
+        raise KernelMismatch(f"vLLM serves no LoRA adapter on {module}: drop {short} from model.lora.target_modules")
+    a, b = held["layers"][layer]
+    return a[index][:rank].cpu(), b[index][:, :rank].cpu()
 
 
 def _read_heads(model) -> dict[str, torch.Tensor]:
