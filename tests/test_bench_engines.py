@@ -13,6 +13,8 @@ def test_bad_arguments_are_refused_before_any_model_loads(capsys):
         (["-k", "0,4"], "positive integers"),
         (["--parallel", "0"], "parallel must be > 0"),
         (["--compare", "llamacpp:q4_1,vllm:int3"], "unknown vllm engine option"),
+        (["--lora-rank", "4"], "lora_rank applies to --compare"),
+        (["--compare", "hf:bf16", "--lora-rank", "4", "--lora-serving", "merge"], "unknown lora serving 'merge'"),
     ]:
         with pytest.raises(SystemExit):
             main(argv)
@@ -44,3 +46,15 @@ def test_engines_compared_side_by_side(tmp_path, capsys):
     for spec in result["engines"]:
         assert 0 < row["tokens"][spec] <= 2 * 2 * 6 and row["tokens_per_s"][spec] > 0
     assert "hf:bf16 / llamacpp:q4_1" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_engines_with_lora_adapters_report_their_sync(tmp_path, capsys):
+    out = tmp_path / "lora.json"
+    main(["--compare", "llamacpp:q4_1,hf:bf16", "--lora-rank", "4", "--prompts", "1", "-k", "2", "--tokens", "4",
+          "--repeats", "1", "--threads", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    # merged is a vllm way: the other engines run once, with their adapters beside the base
+    assert result["engines"] == ["llamacpp:q4_1/adapter", "hf:bf16/adapter"] and result["lora_rank"] == 4
+    assert set(result["sync_s"]) == set(result["engines"]) and min(result["sync_s"].values()) > 0
+    assert "weight sync (s, median of 3)" in capsys.readouterr().out

@@ -198,6 +198,20 @@ def test_the_embedded_default_trains_with_vllm(tmp_path, option):
     trainer.rollout.engine.close()
 
 
+@pytest.mark.slow
+def test_bench_engines_compares_lora_adapters_served_and_merged(tmp_path):
+    import json
+
+    from deployrl.bench.engines import main
+
+    out = tmp_path / "lora.json"
+    main(["--compare", "vllm:bf16", "--lora-rank", "4", "--prompts", "1", "-k", "2", "--tokens", "4", "--repeats", "1",
+          "--parallel", "4", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["engines"] == ["vllm:bf16/adapter", "vllm:bf16/merged"]
+    assert all(seconds > 0 for seconds in result["sync_s"].values())
+
+
 def test_unknown_options_and_options_without_kernels_fail_at_start(model):
     with pytest.raises(ValueError, match="unknown vllm engine option"):
         make_engine("vllm:int3", model, ModelSource("tiny", None), [EOS])

@@ -19,7 +19,7 @@ from deployrl.algo.discrepancy import CORRECTIONS, PENALTIES, SIGNALS, check_cap
 from deployrl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, check_loss_settings
 from deployrl.algo.prefix import STRATEGIES, UNCERTAINTY_METRICS, check_law_settings
 from deployrl.configio import Override, load
-from deployrl.engines import parse_engine_spec
+from deployrl.engines import LORA_SERVING, parse_engine_spec
 from deployrl.engines.base import SamplingParams
 from deployrl.engines.llama_runtime import MAX_SEQUENCES
 from deployrl.models import ALIASES, DTYPES
@@ -44,7 +44,6 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_LR, FULL_LR = 2e-4, 5e-5  # optim.lr when it is not set
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
 ENGINE_RANKS = ("all", "main")
-LORA_SERVING = ("adapter", "merged")
 MAX_SEED = 2**32 - 1  # numpy's seed range, the narrowest of the generators a run seeds
 
 

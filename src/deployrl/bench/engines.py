@@ -11,6 +11,9 @@ different token (llama.cpp's kernels are not batch-invariant: docs/engines.md).
 With `--compare` (engine specs, e.g. llamacpp:q4_1,hf:bf16,vllm:bf16) each engine is built from the
 same trainer model and samples the same prompts with the same seeds, the engines taking turns
 `--repeats` times; the medians are printed side by side with each engine's ratio to the first.
+`--lora-rank R` gives the model LoRA adapters of rank R (B drawn small, as after some training);
+each engine then runs once per `--lora-serving` way (adapter: beside the base; merged: folded into
+it, vllm only), and the median seconds of a weight sync are printed too.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from typing import Optional
 
 import torch
 
-from deployrl.algo._checks import check_positive
+from deployrl.algo._checks import check_non_negative, check_positive
 from deployrl.configcli import CommandLine, Flag
-from deployrl.engines import parse_engine_spec
+from deployrl.engines import LORA_SERVING, parse_engine_spec
 from deployrl.engines.base import SamplingParams
+from deployrl.registry import unknown_name_error
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class EnginesBenchConfig:
     parallel: int = 32  # completions decoded together when batched
     threads: Optional[int] = None  # llama.cpp threads, vLLM's bound cores; None: every CPU
     repeats: int = 2  # alternating runs of each path
+    lora_rank: int = 0  # with compare: LoRA adapters of this rank on the model; 0: none
+    lora_serving: tuple[str, ...] = ("adapter", "merged")  # with lora_rank: each way an engine holds them
     json: Optional[str] = None  # also write the numbers here
 
     def __post_init__(self) -> None:
@@ -57,6 +63,20 @@ class EnginesBenchConfig:
             check_positive(name, getattr(self, name))
         if self.threads is not None:
             check_positive("threads", self.threads)
+        check_non_negative("lora_rank", self.lora_rank)
+        for serving in self.lora_serving:
+            if serving not in LORA_SERVING:
+                raise unknown_name_error("lora serving", serving, list(LORA_SERVING))
+        if self.lora_rank and not self.compare:
+            raise ValueError("lora_rank applies to --compare: name the engines to compare")
+
+    def variants(self) -> list[tuple[str, str, str]]:
+        """(label, engine spec, lora serving) of each compared engine: one per serving way with
+        adapters (merged for vllm only), else one."""
+        if not self.lora_rank:
+            return [(spec, spec, "adapter") for spec in self.compare]
+        return [(f"{spec}/{serving}", spec, serving) for spec in self.compare for serving in self.lora_serving
+                if serving == "adapter" or parse_engine_spec(spec)[0] == "vllm"]
 
 
 FLAGS = (
@@ -68,6 +88,8 @@ FLAGS = (
     Flag("--parallel", "parallel", "completions decoded together when batched"),
     Flag("--threads", "threads", "llama.cpp threads, vLLM's bound cores (None: every CPU)"),
     Flag("--repeats", "repeats", "alternating runs of each path"),
+    Flag("--lora-rank", "lora_rank", "with --compare: LoRA adapters of this rank on the model (0: none)"),
+    Flag("--lora-serving", "lora_serving", "with --lora-rank: adapter (beside the base), merged (vllm only)", many=True),
     Flag("--json", "json", "also write the numbers to this path"),
 )
 
@@ -114,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = encode_prompts(tokenizer, [e.prompt for e in load_task(default_task()).examples[: config.prompts]])
     eos = end_token_ids(tokenizer, model)
     if config.compare:
+        if config.lora_rank:
+            add_trained_lora(model, config.lora_rank)
         return compare_engines(config, model, source, eos, prompts)
     engine = make_engine(config.engine, model, source, eos, threads=config.threads,
                          parallel=config.parallel)
@@ -149,33 +173,62 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def add_trained_lora(model, rank: int) -> None:
+    """LoRA adapters of `rank` on the default targets, B drawn small (std 1e-3) so that they change the
+    model as a few training steps do (B = 0, peft's start, would let an engine skip them unnoticed)."""
+    from deployrl.config import LORA_TARGETS
+    from deployrl.lora import add_lora
+
+    add_lora(model, rank, 2.0 * rank, 0.0, LORA_TARGETS)
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(0)
+        for name, parameter in model.named_parameters():
+            if ".lora_B." in name:
+                parameter.normal_(0, 1e-3)
+
+
 def compare_engines(config: EnginesBenchConfig, model, source, eos: list[int], prompts: list[list[int]]) -> int:
-    """Tokens/s of each engine in `config.compare` on the same prompts and seeds, side by side."""
+    """Tokens/s of each engine in `config.compare` on the same prompts and seeds, side by side (and
+    with adapters, the seconds of a weight sync)."""
     from deployrl.engines import make_engine
 
-    engines, load_s = {}, {}
-    for spec in config.compare:
+    engines, load_s, sync_s = {}, {}, {}
+    for label, spec, serving in config.variants():
         start = time.perf_counter()
-        engines[spec] = make_engine(spec, model, source, eos, threads=config.threads, parallel=config.parallel)
-        load_s[spec] = time.perf_counter() - start
-    print(f"SmolLM2-135M-Instruct, {len(prompts)} prompts of the default task, threads {config.threads or 'all'},"
-          f" parallel {config.parallel}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f};"
-          f" medians of {config.repeats} runs, the engines taking turns")
-    print("engine start (s): " + ", ".join(f"{spec} {seconds:.1f}" for spec, seconds in load_s.items()))
-    first = config.compare[0]
-    header = f"{'new tokens':>10} {'K':>3} " + " ".join(f"{spec + ' tok/s':>22}" for spec in config.compare)
-    header += " " + " ".join(f"{spec + ' / ' + first:>30}" for spec in config.compare[1:])
+        engines[label] = make_engine(spec, model, source, eos, threads=config.threads, parallel=config.parallel,
+                                     lora_serving=serving)
+        load_s[label] = time.perf_counter() - start
+        if config.lora_rank:
+            sync_s[label] = median(timed(engines[label].sync, model.state_dict()) for _ in range(3))
+    labels = list(engines)
+    print(f"SmolLM2-135M-Instruct{f' + LoRA rank {config.lora_rank}' if config.lora_rank else ''}, {len(prompts)}"
+          f" prompts of the default task, threads {config.threads or 'all'}, parallel {config.parallel},"
+          f" {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; medians of {config.repeats} runs,"
+          " the engines taking turns")
+    print("engine start (s): " + ", ".join(f"{label} {seconds:.1f}" for label, seconds in load_s.items()))
+    if sync_s:
+        print("weight sync (s, median of 3): " + ", ".join(f"{label} {seconds:.3f}" for label, seconds in sync_s.items()))
+    first = labels[0]
+    header = f"{'new tokens':>10} {'K':>3} " + " ".join(f"{label + ' tok/s':>22}" for label in labels)
+    header += " " + " ".join(f"{label + ' / ' + first:>30}" for label in labels[1:])
     print(header)
     print("-" * len(header))
     rows = []
-    samplers = {spec: partial(engine.generate, prompts) for spec, engine in engines.items()}
+    samplers = {label: partial(engine.generate, prompts) for label, engine in engines.items()}
     for max_new, k, rates, batches in take_turns(samplers, config):
         rows.append({"max_new_tokens": max_new, "k": k, "tokens_per_s": rates,
-                     "tokens": {spec: int(batch.mask.sum()) for spec, batch in batches.items()}})
-        print(f"{max_new:>10} {k:>3} " + " ".join(f"{rates[spec]:>22.1f}" for spec in config.compare) + " "
-              + " ".join(f"{rates[spec] / rates[first]:>29.2f}x" for spec in config.compare[1:]), flush=True)
+                     "tokens": {label: int(batch.mask.sum()) for label, batch in batches.items()}})
+        print(f"{max_new:>10} {k:>3} " + " ".join(f"{rates[label]:>22.1f}" for label in labels) + " "
+              + " ".join(f"{rates[label] / rates[first]:>29.2f}x" for label in labels[1:]), flush=True)
     if config.json:
-        Path(config.json).write_text(json.dumps({"engines": list(config.compare), "start_s": load_s,
-                                                 "threads": config.threads, "parallel": config.parallel,
-                                                 "prompts": len(prompts), "rows": rows}, indent=2))
+        Path(config.json).write_text(json.dumps({"engines": labels, "start_s": load_s, "sync_s": sync_s,
+                                                 "lora_rank": config.lora_rank, "threads": config.threads,
+                                                 "parallel": config.parallel, "prompts": len(prompts), "rows": rows},
+                                                indent=2))
     return 0
+
+
+def timed(function: Callable, *args) -> float:
+    start = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - start

@@ -16,7 +16,7 @@ from deployrl.engines.vllm_engine import OPTIONS as VLLM_OPTIONS
 from deployrl.models import ModelSource, unwrapped
 from deployrl.registry import Registry, unknown_name_error
 
-__all__ = ["ENGINES", "RolloutBatch", "RolloutEngine", "SamplingParams", "make_engine", "parse_engine_spec", "trainer_view"]
+__all__ = ["ENGINES", "LORA_SERVING", "RolloutBatch", "RolloutEngine", "SamplingParams", "make_engine", "parse_engine_spec", "trainer_view"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ def _build_vllm(option, model, source, eos_token_ids, context_length, threads, p
     )
 
 
+LORA_SERVING = ("adapter", "merged")  # a model's LoRA adapters: beside the base, or folded into it (vllm)
 ENGINES: Registry[EngineKind] = Registry("engine")
 ENGINES.register("hf")(EngineKind(tuple(PRECISIONS), "bf16", _build_hf))
 ENGINES.register("llamacpp")(EngineKind(tuple(FILE_TYPES), "q4_1", _build_llamacpp))
