@@ -230,6 +230,19 @@ def test_eval_command_scores_a_task(tiny_dir, tmp_path, capsys):
     assert scores["problems"] == 3 and 0 <= scores["pass@1"] <= scores["pass@2"] <= 1
 
 
+def test_eval_command_defaults_to_the_default_runs_held_out_problems():
+    """`deployrl eval` without a task scores what a default run's own evaluation scores (the training
+    task, seed 1); `--task` names a dataset with that dataset's own settings."""
+    from deployrl.config import load_config
+    from deployrl.evaluate import COMMAND_LINE
+    from deployrl.config import held_out_task
+
+    default, _ = COMMAND_LINE.parse([])
+    assert default.task == held_out_task(load_config(None, []))
+    chain, _ = COMMAND_LINE.parse(["--task", "chain_sum"])
+    assert (chain.task.name, chain.task.rg_config, chain.task.instruction) == ("chain_sum", {}, None)
+
+
 def test_eval_stops_at_either_end_token_of_the_generation_config(tiny_dir, tmp_path):
     """A model whose generation_config lists two end tokens: `deployrl eval` stops at whichever comes first."""
     import json

@@ -47,6 +47,11 @@ ENGINE_RANKS = ("all", "main")
 MAX_SEED = 2**32 - 1  # numpy's seed range, the narrowest of the generators a run seeds
 
 
+def held_out_task(config: "TrainConfig") -> TaskConfig:
+    """The task a run evaluates on: `eval.task`, else fresh problems of the training task (seed + 1)."""
+    return config.eval.task or replace(config.task, seed=config.task.seed + 1)
+
+
 def _choice(kind: str, value: str, valid) -> None:
     if value not in valid:
         raise unknown_name_error(kind, value, list(valid))

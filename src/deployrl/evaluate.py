@@ -13,18 +13,18 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 from deployrl.algo._checks import check_positive
-from deployrl.config import EvalSettings
+from deployrl.config import EvalSettings, default_task
 from deployrl.configcli import CommandLine, Flag
 from deployrl.engines import parse_engine_spec
 from deployrl.engines.base import SamplingParams
 from deployrl.prompts import encode_prompts
 from deployrl.reward_sandbox import score_completions
-from deployrl.tasks import ReasoningGymTask, TaskConfig, load_task
+from deployrl.tasks import TaskConfig, load_task
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class EvalCommandConfig(EvalSettings):
 
     num_prompts: int = 50
     max_new_tokens: int = 512
-    task: TaskConfig = field(default_factory=lambda: ReasoningGymTask(seed=1))  # seed 1: not a default run's problems
+    # the default run's task, seed 1: other problems than a default run trained on (its held-out set)
+    task: TaskConfig = field(default_factory=lambda: replace(default_task(), seed=1))
     # model directory (e.g. a checkpoint's model/ folder or an export), .gguf file, alias, or LoRA adapter folder
     model: str = "smollm2-135m"
     base: Optional[str] = None  # an adapter's base model (None: the one its adapter_config.json names)
@@ -55,7 +56,8 @@ FLAGS = (
     Flag("--base", "base", "the base model of a LoRA adapter (default: the one its adapter_config.json names)"),
     Flag("--gguf-template", "gguf_template", "GGUF whose tokenizer/metadata a llamacpp engine reuses"),
     Flag("--engine", "engine", "engine spec, e.g. llamacpp:q4_1, hf:bf16 or vllm:bf16"),
-    Flag("--task", "task.name", "a reasoning-gym dataset", also=(("task.type", "reasoning_gym"),)),
+    Flag("--task", "task.name", "a reasoning-gym dataset, with its own default settings",
+         also=(("task.type", "reasoning_gym"), ("task.rg_config", {}), ("task.instruction", None))),
     Flag("--benchmark", "task.name", "math500, aime24, aime25, amc23, minerva_math, olympiadbench or gsm8k",
          also=(("task.type", "benchmark"),)),
     Flag("--num-prompts", "num_prompts", "problems (the first ones of the task)"),
@@ -65,6 +67,15 @@ FLAGS = (
     Flag("--max-new-tokens", "max_new_tokens"),
     Flag("--seed", "seed", "sampling seed"),
     Flag("--json", "json", "also write the scores as JSON to this path"),
+)
+
+
+COMMAND_LINE = CommandLine(
+    "deployrl eval", EvalCommandConfig,
+    "Score a model or checkpoint on a task or benchmark, sampling in a deployment engine. Settings are the"
+    " keys of a training run's eval section (task, num_prompts, samples, temperature, top_k, max_new_tokens)"
+    " plus model, gguf_template, engine, seed and json.",
+    FLAGS,
 )
 
 
@@ -104,14 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from deployrl.lora import ADAPTER_CONFIG, adapter_base, attach_adapter
     from deployrl.models import end_token_ids, load_model, load_tokenizer, resolve_model
 
-    command_line = CommandLine(
-        "deployrl eval", EvalCommandConfig,
-        "Score a model or checkpoint on a task or benchmark, sampling in a deployment engine. Settings are the"
-        " keys of a training run's eval section (task, num_prompts, samples, temperature, top_k, max_new_tokens)"
-        " plus model, gguf_template, engine, seed and json.",
-        FLAGS,
-    )
-    config, _ = command_line.parse(argv)
+    config, _ = COMMAND_LINE.parse(argv)
     try:  # the data and the model's files are checked before the model loads
         task = load_task(config.task)
         adapter = Path(config.model) if (Path(config.model) / ADAPTER_CONFIG).is_file() else None
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_source = resolve_model(config.gguf_template or "smollm2-135m")
         tokenizer = load_tokenizer(source)
     except (ValueError, FileNotFoundError) as err:
-        command_line.fail(err)
+        COMMAND_LINE.fail(err)
     model = load_model(source).eval()
     if adapter is not None:  # the engine applies the adapter on the base, as in training
         attach_adapter(model, adapter)

@@ -30,7 +30,7 @@ import math
 import random
 import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -53,7 +53,7 @@ from deployrl.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from deployrl.config import TrainConfig
+from deployrl.config import TrainConfig, held_out_task
 from deployrl.configio import to_dict
 from deployrl.distributed import World, all_reduce_sum, full_state_dict, init_world
 from deployrl.engines.base import trainer_view
@@ -87,9 +87,7 @@ class Trainer:
         self.config, self.world = config, world or init_world()
         self.task: Task = load_task(config.task)  # data is validated before any model loads
         # held-out problems (default: fresh ones of the training task, another seed), checked now too
-        self.eval_task: Optional[Task] = load_task(
-            config.eval.task or replace(config.task, seed=config.task.seed + 1)
-        ) if config.eval.num_prompts else None
+        self.eval_task: Optional[Task] = load_task(held_out_task(config)) if config.eval.num_prompts else None
         if len(self.task.examples) < config.rollout.prompts_per_step:
             raise ValueError(f"task {self.task.name} has {len(self.task.examples)} examples, fewer than"
                              f" rollout.prompts_per_step={config.rollout.prompts_per_step}")
