@@ -37,6 +37,7 @@ process, trainer included, to one torch thread.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import shutil
@@ -66,6 +67,7 @@ OPTIONS: dict[str, tuple[torch.dtype, Optional[str]]] = {
 KV_CACHE_BYTES_PER_CELL_FLOOR = 1 << 20  # at least 1 MiB of KV cache per completion decoded together
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 LORA_NAME, LORA_ID = "deployrl", 1  # the one adapter, reloaded in place at every sync
+log = logging.getLogger(__name__)
 
 
 def engine_weights(base: dict[str, torch.Tensor], config, dtype: torch.dtype):
@@ -155,6 +157,10 @@ class VLLMEngine(RolloutEngine):
             )
             if adapters:
                 self._load_adapters(adapters)
+                if not torch.cuda.is_available():
+                    log.info("%s serves the LoRA adapters through vLLM's CPU LoRA kernels, which decoded ~3x slower"
+                             " than merged weights here (docs/engines.md): rollout.lora_serving=merged folds them"
+                             " into the base at every sync instead", self.name)
         except Exception as err:
             self.close()
             raise RuntimeError(f"vLLM could not start engine {self.name}: {err}") from err
