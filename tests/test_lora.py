@@ -98,6 +98,31 @@ def test_split_adapter_gives_the_base_names_and_the_scale():
     assert adapter.scale == 3.0 and adapter.a.shape[0] == 2 and adapter.b.shape[1] == 2
 
 
+def test_written_adapters_load_back_as_the_models_own(tmp_path):
+    """`write_adapters` (what the vLLM engine hands vLLM) is peft's layout of the same adapter: rank,
+    alpha, targets and tensors read back equal; mixed ranks cannot be written as one config."""
+    from dataclasses import replace
+
+    from tiny import tiny_model
+
+    from deployrl.lora import read_adapter, write_adapters
+
+    model = add_lora(tiny_model("llama"), rank=2, alpha=6.0, dropout=0.0, target_modules=("q_proj", "down_proj"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    adapters = split_adapter(model.state_dict(), adapter_scales(model))[1]
+    write_adapters(tmp_path / "adapter", adapters)
+    own = {name: p for name, p in model.named_parameters() if "lora_" in name}
+    read = read_adapter(model, tmp_path / "adapter")  # refuses another rank, alpha or target set
+    assert set(read) == set(own) and all(torch.equal(read[name], own[name]) for name in own)
+    module = "model.layers.0.self_attn.q_proj"
+    mixed = {**adapters, module: replace(adapters[module], scale=1.0)}
+    with pytest.raises(ValueError, match="different \\(rank, scale\\) pairs"):
+        write_adapters(tmp_path / "mixed", mixed)
+
+
 def engine_for(spec: str, model):
     """The engine `spec` built from `model` (a tiny Llama with SmolLM2's vocabulary)."""
     from deployrl.engines.hf import HFEngine
