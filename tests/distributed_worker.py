@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from test_trainer import VARIANTS, toy_config
 
-from deployrl.distributed import close_world, full_state_dict
+from deployrl.distributed import close_world, full_state_dict, init_world
 from deployrl.trainer import Trainer
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     torch.set_num_threads(1)
     for variant in args.variants:
         run(args.tiny_dir, args.root / variant, [*VARIANTS[variant], *args.overrides], args.resume, args.fail_rank)
-    close_world()
+    close_world(init_world())
 
 
 def run(tiny_dir: Path, root: Path, overrides: list[str], resume: bool, fail_rank) -> None:

@@ -204,3 +204,18 @@ def test_lora_on_two_ranks_trains_as_one_process_and_resumes_on_one(tmp_path, ti
     finished(launch(1, root, tiny_dir, ["dc_optimized"], "steps=3", "save_every=2", *LORA, resume=True))
     assert ranks_log(root / "dc_optimized", 0)["loss"] == pytest.approx(ranks_log(single, 0)["loss"][2:], rel=1e-4)
     assert_trained_alike(single, root / "dc_optimized")
+
+
+def test_one_process_leaves_a_process_group_it_did_not_start_alone(tmp_path):
+    """In-process vLLM starts a one-rank group and destroys it at exit: deployrl closing it first
+    made vLLM's teardown fail ("Invalid process group specified") after every vLLM run."""
+    import torch.distributed as dist
+
+    from deployrl.distributed import World, close_world
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        close_world(World())
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()

@@ -179,10 +179,12 @@ def all_reduce_tensor(tensor: torch.Tensor, world: World) -> torch.Tensor:
     return summed.cpu()
 
 
-def close_world() -> None:
-    """Destroy the process group once every rank has arrived: a rank that destroys it while another
-    still works (rank 0 writing files) was seen to abort at exit (SIGABRT in gloo's teardown)."""
-    if dist.is_initialized():
+def close_world(world: World) -> None:
+    """Destroy the process group of a distributed `world` once every rank has arrived: a rank that
+    destroys it while another still works (rank 0 writing files) was seen to abort at exit (SIGABRT
+    in gloo's teardown). One process leaves torch.distributed alone: a group there is someone
+    else's (in-process vLLM starts one and tears it down at exit)."""
+    if world.distributed:
         dist.barrier()
         dist.destroy_process_group()
 
