@@ -16,7 +16,10 @@ from deployrl.engines.vllm_engine import OPTIONS as VLLM_OPTIONS
 from deployrl.models import ModelSource, unwrapped
 from deployrl.registry import Registry, unknown_name_error
 
-__all__ = ["ENGINES", "LORA_SERVING", "RolloutBatch", "RolloutEngine", "SamplingParams", "make_engine", "parse_engine_spec", "trainer_view"]
+__all__ = [
+    "ENGINES", "LORA_SERVING", "RolloutBatch", "RolloutEngine", "SamplingParams", "make_engine", "parse_engine_spec",
+    "trainer_view",
+]
 
 
 @dataclass(frozen=True)
