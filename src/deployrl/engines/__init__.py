@@ -57,7 +57,7 @@ def _build_vllm(option, model, source, eos_token_ids, context_length, threads, p
     return VLLMEngine(
         model.state_dict(), model.config, type(unwrapped(model)).__name__, option, eos_token_ids,
         context_length=context_length or 2048,
-        parallel=parallel, threads=threads, adapter_scales=adapter_scales(model), merge_adapters=lora_serving == "merged",
+        parallel=parallel, threads=threads, adapter_scales=adapter_scales(model), lora_serving=lora_serving,
     )
 
 

@@ -24,7 +24,7 @@ once, quantised as the option says, and every request carries the adapter (a LoR
 adapter in bf16/fp32 beside a quantised base, as a multi-LoRA deployment runs it). `sync` writes
 only the adapter (peft's layout, a few MB, into the engine's temporary folder) and reloads it in
 place; then it reads the adapter back from vLLM's LoRA layers and refuses a stale one. With
-``merge_adapters`` (``rollout.lora_serving=merged``) the adapters are folded into the base at
+``lora_serving="merged"`` (``rollout.lora_serving``) the adapters are folded into the base at
 every sync instead (W + s·B·A, then quantised: the deployment of a merged model; on the CPU
 vLLM's LoRA kernels cost more than the merge, docs/engines.md).
 
@@ -117,7 +117,7 @@ class VLLMEngine(RolloutEngine):
         parallel: int = 32,
         threads: Optional[int] = None,
         adapter_scales: Optional[dict[str, float]] = None,
-        merge_adapters: bool = False,
+        lora_serving: str = "adapter",
         seed: int = 0,
     ) -> None:
         if option not in OPTIONS:
@@ -139,7 +139,7 @@ class VLLMEngine(RolloutEngine):
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
         self.adapter_scales = dict(adapter_scales or {})
-        self.merges_adapters = merge_adapters
+        self.lora_serving = lora_serving
         self._context = context_length
         self._folder = Path(tempfile.mkdtemp(prefix="deployrl-vllm-"))
         self._remove_folder = weakref.finalize(self, shutil.rmtree, self._folder, True)  # also at exit
@@ -198,9 +198,9 @@ class VLLMEngine(RolloutEngine):
         self.last_sync_s = time.perf_counter() - start
 
     def _split(self, state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Adapter]]:
-        """(base weights, adapters to serve): with `merge_adapters`, the adapters folded into the base and none to serve."""
+        """(base weights, adapters to serve); lora_serving=merged: the adapters folded into the base, none to serve."""
         base, adapters = split_adapter(state_dict, self.adapter_scales)
-        return (merge_adapters(base, adapters), {}) if self.merges_adapters else (base, adapters)
+        return (merge_adapters(base, adapters), {}) if self.lora_serving == "merged" else (base, adapters)
 
     def _load_adapters(self, adapters: dict[str, Adapter]) -> None:
         """Write the adapters, reload them in place under the one LoRA id, make vLLM activate them
