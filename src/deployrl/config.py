@@ -19,7 +19,7 @@ from deployrl.algo.discrepancy import CORRECTIONS, PENALTIES, SIGNALS, check_cap
 from deployrl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, check_loss_settings
 from deployrl.algo.prefix import STRATEGIES, UNCERTAINTY_METRICS, check_law_settings
 from deployrl.configio import Override, load
-from deployrl.engines import LORA_SERVING, parse_engine_spec
+from deployrl.engines import ENGINES, LORA_SERVING, parse_engine_spec, serves_lora
 from deployrl.engines.base import SamplingParams
 from deployrl.engines.llama_runtime import MAX_SEQUENCES
 from deployrl.models import ALIASES, DTYPES
@@ -119,11 +119,13 @@ class RolloutConfig:
     lora_serving: str = "adapter"
 
     def __post_init__(self) -> None:
-        kind, _ = parse_engine_spec(self.engine)
+        parse_engine_spec(self.engine)
         _choice("engine_ranks", self.engine_ranks, ENGINE_RANKS)
         _choice("lora_serving", self.lora_serving, LORA_SERVING)
-        if self.lora_serving == "merged" and kind != "vllm":
-            raise ValueError(f"lora_serving=merged is a vllm engine option; {self.engine} serves adapters beside the base")
+        if not serves_lora(self.engine, self.lora_serving):
+            takes = [name for name in ENGINES if serves_lora(name, self.lora_serving)]
+            raise ValueError(f"lora_serving={self.lora_serving} is a {' or '.join(takes)} engine option; {self.engine}"
+                             " serves adapters beside the base")
         check_positive("prompts_per_step", self.prompts_per_step)
         check_non_negative("max_retries", self.max_retries)
         if self.threads is not None:

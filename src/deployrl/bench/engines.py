@@ -31,8 +31,9 @@ from typing import Optional
 import torch
 
 from deployrl.algo._checks import check_non_negative, check_positive
+from deployrl.bench.measure import timed
 from deployrl.configcli import CommandLine, Flag
-from deployrl.engines import LORA_SERVING, parse_engine_spec
+from deployrl.engines import LORA_SERVING, parse_engine_spec, serves_lora
 from deployrl.engines.base import SamplingParams
 from deployrl.registry import unknown_name_error
 
@@ -72,11 +73,11 @@ class EnginesBenchConfig:
 
     def variants(self) -> list[tuple[str, str, str]]:
         """(label, engine spec, lora serving) of each compared engine: one per serving way with
-        adapters (merged for vllm only), else one."""
+        adapters that the engine can hold (merged: vllm), else one."""
         if not self.lora_rank:
             return [(spec, spec, "adapter") for spec in self.compare]
         return [(f"{spec}/{serving}", spec, serving) for spec in self.compare for serving in self.lora_serving
-                if serving == "adapter" or parse_engine_spec(spec)[0] == "vllm"]
+                if serves_lora(spec, serving)]
 
 
 FLAGS = (
@@ -199,7 +200,7 @@ def compare_engines(config: EnginesBenchConfig, model, source, eos: list[int], p
                                      lora_serving=serving)
         load_s[label] = time.perf_counter() - start
         if config.lora_rank:
-            sync_s[label] = median(timed(engines[label].sync, model.state_dict()) for _ in range(3))
+            sync_s[label] = median(timed(partial(engines[label].sync, model.state_dict()))[1] for _ in range(3))
     labels = list(engines)
     print(f"SmolLM2-135M-Instruct{f' + LoRA rank {config.lora_rank}' if config.lora_rank else ''}, {len(prompts)}"
           f" prompts of the default task, threads {config.threads or 'all'}, parallel {config.parallel},"
@@ -226,9 +227,3 @@ def compare_engines(config: EnginesBenchConfig, model, source, eos: list[int], p
                                                  "parallel": config.parallel, "prompts": len(prompts), "rows": rows},
                                                 indent=2))
     return 0
-
-
-def timed(function: Callable, *args) -> float:
-    start = time.perf_counter()
-    function(*args)
-    return time.perf_counter() - start

@@ -18,7 +18,7 @@ from deployrl.registry import Registry, unknown_name_error
 
 __all__ = [
     "ENGINES", "LORA_SERVING", "RolloutBatch", "RolloutEngine", "SamplingParams", "make_engine", "parse_engine_spec",
-    "trainer_view",
+    "serves_lora", "trainer_view",
 ]
 
 
@@ -27,6 +27,7 @@ class EngineKind:
     options: tuple[str, ...]
     default: str
     build: Callable[..., RolloutEngine]
+    lora_servings: tuple[str, ...] = ("adapter",)  # the LORA_SERVING ways it can hold a model's adapters
 
 
 def _build_hf(option, model, source, eos_token_ids, context_length, threads, parallel, lora_serving):
@@ -61,11 +62,16 @@ def _build_vllm(option, model, source, eos_token_ids, context_length, threads, p
     )
 
 
-LORA_SERVING = ("adapter", "merged")  # a model's LoRA adapters: beside the base, or folded into it (vllm)
+LORA_SERVING = ("adapter", "merged")  # a model's LoRA adapters: beside the base, or folded into it
 ENGINES: Registry[EngineKind] = Registry("engine")
 ENGINES.register("hf")(EngineKind(tuple(PRECISIONS), "bf16", _build_hf))
 ENGINES.register("llamacpp")(EngineKind(tuple(FILE_TYPES), "q4_1", _build_llamacpp))
-ENGINES.register("vllm")(EngineKind(tuple(VLLM_OPTIONS), "bf16", _build_vllm))
+ENGINES.register("vllm")(EngineKind(tuple(VLLM_OPTIONS), "bf16", _build_vllm, lora_servings=LORA_SERVING))
+
+
+def serves_lora(spec: str, serving: str) -> bool:
+    """Whether engine `spec` can hold a model's LoRA adapters the `serving` way (a LORA_SERVING name)."""
+    return serving in ENGINES.get(parse_engine_spec(spec)[0]).lora_servings
 
 
 def parse_engine_spec(spec: str) -> tuple[str, str]:
