@@ -17,7 +17,8 @@ from deployrl import trainer as trainer_module
 from deployrl.config import load_config
 from deployrl.configio import ConfigError
 from deployrl.models import UnsupportedModelError, load_model, load_tokenizer, resolve_model
-from deployrl.tasks import JsonlTask, ParquetTask, TaskDataError, load_task
+from deployrl.task_settings import JsonlTask, ParquetTask
+from deployrl.tasks import TaskDataError, load_task
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import pytest
 
 from deployrl.reward_sandbox import score_completions
 from deployrl.rewards import last_boxed, math_reward
-from deployrl.tasks import BENCHMARKS, BenchmarkTask, load_task
+from deployrl.task_settings import BenchmarkTask
+from deployrl.tasks import BENCHMARKS, load_task
 
 # References math-verify can only compare as strings (see docs/tasks.md): a derivative
 # equation and a list of subscripted energy symbols.

@@ -10,12 +10,12 @@ import torch
 
 from deployrl.checkpoint import (
     CheckpointError,
-    export_model,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
+from deployrl.export import export_model
 from tiny import char_tokenizer, tiny_model
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployrl import learner as learner_module, rollout as rollout_module, runlog, trainer as trainer_module
+from deployrl import rollout as rollout_module, runlog, trainer as trainer_module
 from deployrl.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, load_checkpoint, verify_checkpoint
 from deployrl.config import load_config
 from deployrl.engines.base import MalformedRollouts, RolloutBatch, SamplingParams, check_rollouts, pad_rollouts
@@ -109,7 +109,9 @@ def same_state(a, b) -> bool:
 def snapshot(trainer: Trainer) -> dict:
     return copy.deepcopy({
         "weights": trainer.model.state_dict(), "optimizer": trainer.learner.optimizer.state_dict(),
-        "scheduler": trainer.learner.scheduler.state_dict(), "dual": trainer.dual.state_dict(),
+        "scheduler": trainer.learner.scheduler.state_dict(),
+        # lambda, what an update moves (c is measured from the first batch, before its update)
+        "lambda": trainer.learner.correction.state_dict().get("lam"),
     })
 
 
@@ -327,7 +329,7 @@ def test_nonfinite_loss_skips_the_update_and_leaves_the_state_untouched(tmp_path
     trainer = toy_trainer(tmp_path, tiny_dir, "algo.correction=dc")
     trainer.step()
     before = snapshot(trainer)
-    real_loss = learner_module.policy_loss
+    real_loss = trainer.learner.loss
 
     def nan_loss(*args, **kwargs):
         out = real_loss(*args, **kwargs)
@@ -335,7 +337,7 @@ def test_nonfinite_loss_skips_the_update_and_leaves_the_state_untouched(tmp_path
         return out
 
     with fault(tally):
-        monkeypatch.setattr(learner_module, "policy_loss", nan_loss)
+        monkeypatch.setattr(trainer.learner, "loss", nan_loss)
         metrics = trainer.step()
         assert metrics["optim/skipped_updates"] == 1 and metrics["optim/updates"] == 0
         assert same_state(snapshot(trainer), before)  # weights, optimizer, schedule and λ bit for bit
@@ -343,7 +345,7 @@ def test_nonfinite_loss_skips_the_update_and_leaves_the_state_untouched(tmp_path
         assert skip["step"] == 2 and skip["loss"] is None
         assert skip["examples"] and all("digits.jsonl:" in e for e in skip["examples"])
         assert trainer.state.skipped_in_a_row == 1
-    monkeypatch.setattr(learner_module, "policy_loss", real_loss)
+    monkeypatch.setattr(trainer.learner, "loss", real_loss)
     metrics = trainer.step()
     assert metrics["optim/updates"] == 1 and trainer.state.skipped_in_a_row == 0
     assert not same_state(snapshot(trainer)["weights"], before["weights"])
@@ -426,7 +428,7 @@ def test_check_rollouts_names_what_is_malformed():
     prompts, params = [[5, 6], [7]], SamplingParams(n=2, max_new_tokens=3)
     good = pad_rollouts([[5, 6], [5, 6], [7], [7]], [[1, 2], [3], [4, 5, 2], [9]],
                         [[-0.5, -1.0], [-0.1], [-2.0, -0.3, -0.2], [0.0]], ["length", "stop", "stop", "stop"],
-                        "processed", 2, {})
+                        "processed", 2)
     check_rollouts(good, prompts, params, vocab_size=10)
     broken = {
         r"logp_inf must be <= 0": lambda b: b.logp_inf.__setitem__((0, 0), 0.5),

@@ -67,7 +67,7 @@ def test_sync_seeds_and_lengths(model, template):
     params = SamplingParams(n=2, max_new_tokens=9, seed=3)
     first, again = engine.generate(PROMPTS, params), engine.generate(PROMPTS, params)
     assert torch.equal(first.completion_ids, again.completion_ids)
-    assert first.lengths.max() <= 9 and first.timing["tokens_per_s"] > 0
+    assert first.lengths.max() <= 9 and first.timing.tokens_per_s > 0
     assert all(r == "length" for r in first.finish_reasons if r != "stop")
 
     torch.manual_seed(0)

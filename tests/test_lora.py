@@ -191,7 +191,7 @@ def test_export_of_a_lora_model(tmp_path):
     from tiny import tiny_model
     from transformers import AutoModelForCausalLM
 
-    from deployrl.checkpoint import export_model
+    from deployrl.export import export_model
     from deployrl.engines.gguf_io import write_gguf
     from deployrl.engines.llama_runtime import LlamaRuntime
     from deployrl.models import resolve_model
@@ -233,7 +233,7 @@ def test_eval_scores_an_adapter_folder_as_its_merged_model(tmp_path, tiny_dir):
 
     from tiny import toy_task_file
 
-    from deployrl.checkpoint import export_model
+    from deployrl.export import export_model
     from deployrl.cli import main as cli
     from deployrl.models import load_model, load_tokenizer, resolve_model
 

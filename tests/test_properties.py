@@ -33,7 +33,8 @@ from deployrl.rewards import (
     math_reward,
     reasoning_gym_reward,
 )
-from deployrl.tasks import JsonlTask, TaskDataError, load_task
+from deployrl.task_settings import JsonlTask
+from deployrl.tasks import TaskDataError, load_task
 
 FAST = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 

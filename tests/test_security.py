@@ -19,7 +19,7 @@ from deployrl.configio import ConfigError
 from deployrl.models import UnsupportedModelError, load_model, load_tokenizer, resolve_model
 from deployrl.reward_sandbox import score_completions
 from deployrl.rewards import get_reward, math_reward
-from deployrl.tasks import JsonlTask
+from deployrl.task_settings import JsonlTask
 
 SOURCE = Path(deployrl.__file__).parent
 
@@ -39,8 +39,10 @@ ALLOWED = {
     # pair, the trainer receives a float or an error string that the worker itself built; no
     # other process can write to the pipe and nothing read from a file or the model is unpickled
     ".recv": {("reward_sandbox.py", "_worker_main"), ("reward_sandbox.py", "call")},
-    # the user's reward, by the module name the user gave; the bench commands, from a fixed table
-    "importlib.import_module": {("rewards.py", "get_reward"), ("bench/__init__.py", "main")},
+    # the user's reward, by the module name the user gave; the bench commands and the settings
+    # classes of the commands (for their help), from fixed tables
+    "importlib.import_module": {("rewards.py", "get_reward"), ("bench/__init__.py", "main"),
+                                ("configdoc.py", "command_config")},
 }
 
 

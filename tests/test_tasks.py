@@ -7,21 +7,16 @@ from deployrl.config import EvalSettings
 from deployrl.configio import ConfigError, build
 from deployrl.reward_sandbox import score_completions
 from deployrl.rewards import format_reward, math_reward, reasoning_gym_reward
-from deployrl.tasks import (
-    BENCHMARKS,
+from deployrl.task_settings import (
+    BENCHMARK_NAMES,
     DEFAULT_INSTRUCTIONS,
     BenchmarkTask,
-    Example,
     HFTask,
     JsonlTask,
     ParquetTask,
     ReasoningGymTask,
-    Task,
-    TaskDataError,
-    benchmark_file,
-    load_task,
-    make_prompt,
 )
+from deployrl.tasks import BENCHMARKS, Example, Task, TaskDataError, benchmark_file, load_task, make_prompt
 
 MATH_INSTRUCTION = DEFAULT_INSTRUCTIONS["math"]
 
@@ -218,6 +213,7 @@ def test_reasoning_gym_settings_reach_generator_and_scorer():
 # --------------------------------------------------------------------------- benchmarks
 
 def test_benchmarks_load_with_their_references(tmp_path, monkeypatch):
+    assert tuple(BENCHMARKS) == BENCHMARK_NAMES  # every name task.name accepts has its parsers
     for name, spec in BENCHMARKS.items():
         task = load_task(BenchmarkTask(name=name, max_examples=3))
         assert len(task) == 3 and task[0].source == f"benchmark:{name}#0"

@@ -49,6 +49,11 @@ VARIANTS = {
     "prefix_optimized_dc": ["algo.ps.proxies=engine", "algo.ps.strategy=optimized", "algo.dc.penalty=hinge"],
     "prefix_heuristic_mask_kl_epochs": ["algo.ps.proxies=engine", "algo.ps.strategy=heuristic", "algo.correction=mask",
                                        "algo.kl_coef=0.1", "algo.ppo_epochs=2", "algo.mini_batches=2"],
+    # sequence-level corrections need logp_old on whole rows: with engine proxies a no-grad pass over every token
+    "prefix_seq_tis": ["algo.ps.proxies=engine", "algo.ps.strategy=optimized", "algo.correction=seq_tis"],
+    "seq_mask_trainer": ["algo.ps.proxies=trainer", "algo.correction=seq_mask", "algo.correction_cap=3"],
+    "prefix_geo_mask_epochs": ["algo.ps.proxies=engine", "algo.correction=geo_mask", "algo.correction_cap=1.5",
+                               "algo.ppo_epochs=2"],
 }
 
 
@@ -96,7 +101,7 @@ def test_graded_pass_sees_only_the_sampled_prefixes(tmp_path, tiny_dir):
     learner = trainer.learner
     old = learner.old_pass(rollouts, view)
     plan = learner.plan(rollouts, old.proxies())
-    update = learner.update(rollouts, plan, view, 0.0, 0.0, old)
+    update = learner.update(rollouts, plan, view, old)
     assert update.tokens_graded == float(plan.cutoffs.sum())
     assert update.tokens_graded < 0.8 * float(rollouts.batch.mask.sum())
 
@@ -126,10 +131,11 @@ def test_update_gradient_does_not_depend_on_micro_batch_packing(variant, tmp_pat
 
     learner.optimizer.step = record
     learner.scheduler.step = lambda: None
+    learner.correction.tolerance = 0.0  # as if measured: DC's hinge needs c
     calls = []
     for budget in (100_000, 24, 8):
         learner.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=budget))
-        calls.append(learner.update(rollouts, plan, view, 0.0, 0.0, old).micro_batches)
+        calls.append(learner.update(rollouts, plan, view, old).micro_batches)
     assert calls[0] == 1 < calls[1] < calls[2] and len(gradients) == 3
     for other in gradients[1:]:
         for name, grad in gradients[0].items():
@@ -252,7 +258,8 @@ def test_eval_stops_at_either_end_token_of_the_generation_config(tiny_dir, tmp_p
     from deployrl.engines.hf import HFEngine
     from deployrl.models import load_model, load_tokenizer, resolve_model
     from deployrl.prompts import encode_prompts
-    from deployrl.tasks import ReasoningGymTask, load_task
+    from deployrl.task_settings import ReasoningGymTask
+    from deployrl.tasks import load_task
 
     task = ReasoningGymTask(name="basic_arithmetic", seed=1)
     source = resolve_model(str(tiny_dir))
@@ -338,7 +345,10 @@ def test_prefix_only_update_equals_the_full_pass_update(correction, tmp_path, ti
     prefix = learner.old_pass(rollouts, view, cutoffs=plan.cutoffs)
     fed = torch.arange(mask.shape[1])[None, :] < plan.cutoffs[:, None]
     assert (prefix.logp[~fed] == 0).all() and not (full.logp[mask & ~fed] == 0).any()
-    results = [learner.update(rollouts, plan, view, 0.5, 0.01, old) for old in (full, prefix, None)]
+    learner.correction.tolerance = 0.01
+    if correction == "dc":
+        learner.correction.lam = 0.5
+    results = [learner.update(rollouts, plan, view, old) for old in (full, prefix, None)]
     torch.testing.assert_close(results[2].logp_old[fed], full.logp[fed], rtol=0, atol=1e-6)
     for other in gradients[1:]:
         torch.testing.assert_close(other, gradients[0], rtol=0, atol=1e-5 * float(gradients[0].abs().max()))
@@ -358,13 +368,13 @@ def test_prefix_only_update_gradient_is_unbiased(tmp_path, tiny_dir):
     mask, k = rollouts.batch.mask, rollouts.batch.group_size
     gradients = recorded_gradients(learner)
     everything = sample_plan("full", cutoff_law("full", mask, k, 1.0), mask, learner.generator)
-    learner.update(rollouts, everything, view, 0.0, 0.0)
+    learner.update(rollouts, everything, view)
     full = gradients.pop()
     draws, kept = 600, []
     for _ in range(draws):
         plan = learner.plan(rollouts, {})
         kept.append(float(plan.keep.sum()))
-        learner.update(rollouts, plan, view, 0.0, 0.0)
+        learner.update(rollouts, plan, view)
     assert sum(kept) < 0.6 * draws * float(mask.sum())  # a real subsample
     directions = torch.cat([full[None] / full.norm(), torch.randn(8, full.numel(), generator=torch.Generator().manual_seed(0),
                                                                   dtype=full.dtype)])
@@ -396,19 +406,21 @@ def test_the_tolerance_waits_for_a_batch_with_a_kept_token(tmp_path, tiny_dir):
 
     trainer.learner.plan = first_keeps_nothing
     first = trainer.step()
-    assert trainer.state.tolerance is None and first["ps/tokens_kept"] == 0 and first["dc/mean_D"] == 0
+    correction = trainer.learner.correction
+    assert correction.tolerance is None and first["ps/tokens_kept"] == 0 and first["dc/mean_D"] == 0
     trainer.step()
-    assert trainer.state.tolerance is not None and trainer.state.tolerance > 0
+    assert correction.tolerance is not None and correction.tolerance > 0
 
 
 def test_dropout_keeps_the_no_grad_pass(tmp_path, tiny_dir):
     """The fused update takes logp_old from the graded pass, which runs in training mode: with dropout
     it would be a noisy logp_old (and delta), so the prefix no-grad pass stays."""
     plain = Trainer(toy_config(tmp_path / "a", tiny_dir, "algo.ps.proxies=engine", "model.lora.rank=4"))
-    assert plain.learner.fuses_old_pass(tolerance_known=True)
+    assert plain.learner.fusable()
     noisy = Trainer(toy_config(tmp_path / "b", tiny_dir, "algo.ps.proxies=engine", "model.lora.rank=4",
-                               "model.lora.dropout=0.1"))
-    assert not noisy.learner.fuses_old_pass(tolerance_known=True)
+                               "model.lora.dropout=0.1", "algo.dc.tolerance=0.01"))  # DC ready: c is known
+    learner = noisy.learner
+    assert not learner.fusable() and learner.correction.ready()
     rollouts, view = collect(noisy)
-    plan, old, _ = noisy.learner.prepare(rollouts, view, tolerance_known=True)
-    assert old is not None and (old.logp[plan.keep] != 0).all()
+    prepared = learner.order.prepare(learner, rollouts, view, learner.correction)
+    assert prepared.old is not None and (prepared.old.logp[prepared.plan.keep] != 0).all()

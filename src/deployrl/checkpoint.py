@@ -1,4 +1,4 @@
-"""Checkpoints that resume a run exactly, and the export of a trained model.
+"""Checkpoints that resume a run exactly (the export for deployment is `deployrl.export`).
 
 A checkpoint is a directory ``run_dir/checkpoints/step_{step:08d}/``::
 
@@ -52,8 +52,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -66,19 +65,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from deployrl.distributed import World, barrier
 from deployrl.lora import ADAPTER_WEIGHTS, adapter_state, has_adapters, load_adapter, save_adapter
 
 GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # this rank's shards, optimizer keyed "state.{name}.{key}"
 SHARDS_DIR = "shards"
-
-
-def _several_ranks() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _shard_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -90,6 +82,7 @@ def _shard_tensors(model, optimizer) -> tuple[dict[str, torch.Tensor], dict[str,
     tensors = {f"model.{k}": v for k, v in weights.items() if k in own}
     tensors.update({f"optimizer.{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
     return tensors, {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -205,12 +198,12 @@ def _decode(data: Any, tensors: Mapping[str, torch.Tensor], file: Path) -> Any:
 # ----------------------------------------------------------------------------- files
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # platforms without directory file descriptors
@@ -251,7 +244,7 @@ def _save_state(directory: Path, name: str, obj: Any, drop_callables: bool = Fal
     if encoder.tensors:
         tensor_file = f"{name}.safetensors"
         save_file(encoder.tensors, directory / tensor_file, metadata={"format": "pt"})
-        _fsync_file(directory / tensor_file)
+        fsync_file(directory / tensor_file)
     _write_json(directory / f"{name}.json", {"version": VERSION, "tensor_file": tensor_file, "data": data})
 
 
@@ -382,7 +375,7 @@ def _restore_global_rng(state: dict, file: Path) -> None:
             )
 
 
-def _unwrap(model):
+def unwrap(model):
     """The module itself under DistributedDataParallel / DataParallel / torch.compile wrappers."""
     while True:
         if hasattr(model, "_orig_mod"):
@@ -426,7 +419,7 @@ def _fill_weights(model, weights: Mapping[str, torch.Tensor], source: Path) -> N
 def _load_weights(model, model_dir: Path) -> None:
     from safetensors.torch import load_file
 
-    target = _unwrap(model)
+    target = unwrap(model)
     if (model_dir / ADAPTER_WEIGHTS).is_file():  # a LoRA run: the base comes from the model spec
         try:
             load_adapter(target, model_dir)
@@ -453,11 +446,11 @@ def _load_weights(model, model_dir: Path) -> None:
     _fill_weights(target, weights, model_dir)
 
 
-def _save_model(model, tokenizer, directory: Path, weights: Optional[Mapping[str, torch.Tensor]] = None,
+def save_model(model, tokenizer, directory: Path, weights: Optional[Mapping[str, torch.Tensor]] = None,
                 adapter: Optional[dict[str, torch.Tensor]] = None) -> None:
     """save_pretrained of `model` with `weights` (default: its own state_dict) into `directory`;
     with `adapter` (its `adapter_state`), that LoRA adapter alone, in peft's layout."""
-    target = _unwrap(model)
+    target = unwrap(model)
     if not hasattr(target, "save_pretrained"):
         raise TypeError(f"{type(target).__name__} has no save_pretrained: checkpoints hold transformers models")
     if adapter is not None:
@@ -472,21 +465,21 @@ def _save_model(model, tokenizer, directory: Path, weights: Optional[Mapping[str
         raise RuntimeError(f"save_pretrained wrote pickle files {pickled}; deployrl checkpoints hold none")
 
 
-def _sync_tree(directory: Path) -> None:
+def sync_tree(directory: Path) -> None:
     for path in _files(directory):
-        _fsync_file(path)
+        fsync_file(path)
     for sub in sorted({p.parent for p in _files(directory)} | {directory}, key=lambda p: -len(p.parts)):
-        _fsync_dir(sub)
+        fsync_dir(sub)
 
 
-def _move_into_place(tmp: Path, final: Path) -> None:
+def move_into_place(tmp: Path, final: Path) -> None:
     """Rename `tmp` to `final` (replacing an existing `final`) and make the rename durable."""
     trash = None
     if final.exists():
         trash = final.with_name(f".trash-{final.name}-{os.getpid()}-{time.monotonic_ns()}")
         os.replace(final, trash)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
 
@@ -551,6 +544,7 @@ def save_checkpoint(
     keep_last: Optional[int] = 3,
     tokenizer=None,
     generators: Optional[Mapping[str, torch.Generator]] = None,
+    world: World = World(),
 ) -> Path:
     """Write `run_dir/checkpoints/step_{step:08d}` atomically and return its path.
 
@@ -558,8 +552,8 @@ def save_checkpoint(
     of torch (CPU, and CUDA when initialised), python `random`, numpy's global generator and
     every generator in `generators` are saved. Afterwards only the new checkpoint and the
     newest `keep_last - 1` others are kept (None keeps all), and leftovers of interrupted
-    saves are removed. With a sharded model every rank calls this (the weights are gathered)
-    and rank 0 writes.
+    saves are removed. With a sharded model every rank of `world` calls this (the weights are
+    gathered) and rank 0 writes.
     """
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
@@ -569,12 +563,12 @@ def save_checkpoint(
         raise TypeError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
     final = checkpoint_path(run_dir, step)
     root = final.parent
-    target = _unwrap(model)
+    target = unwrap(model)
     # a LoRA run keeps only its adapter, gathered whole (it is small): the frozen base is the model
     # spec's own file
     adapter = adapter_state(target) if has_adapters(target) else None
     weights = None if adapter is not None else get_model_state_dict(target, options=GATHERED)
-    sharded = _several_ranks() and optimizer is not None and adapter is None
+    sharded = world.distributed and optimizer is not None and adapter is None
     optimizer_state = None
     if optimizer is not None and not sharded:
         optimizer_state = get_optimizer_state_dict(target, optimizer, options=GATHERED)
@@ -582,16 +576,16 @@ def save_checkpoint(
     try:
         if sharded:  # every rank writes its shards into the same temporary directory
             tmp = root / f".tmp-{final.name}-ranks"
-            if _is_main():
+            if world.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
                 tmp.mkdir(parents=True)
-            dist.barrier()
+            barrier(world)
             tensors, optimizer_state = _shard_tensors(target, optimizer)
             dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp / SHARDS_DIR), save_distributed=True))
-            if not _is_main():
+            if not world.is_main:
                 return final
         else:
-            if not _is_main():
+            if not world.is_main:
                 return final
             root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
@@ -601,16 +595,16 @@ def save_checkpoint(
             _save_state(tmp, "optimizer", optimizer_state)
         if scheduler is not None:
             _save_state(tmp, "scheduler", scheduler.state_dict(), drop_callables=True)
-        _save_model(target, tokenizer, tmp / MODEL_DIR, weights, adapter)
-        _sync_tree(tmp)
+        save_model(target, tokenizer, tmp / MODEL_DIR, weights, adapter)
+        sync_tree(tmp)
         _write_manifest(tmp, int(step))
-        _fsync_dir(tmp)
-        _move_into_place(tmp, final)
+        fsync_dir(tmp)
+        move_into_place(tmp, final)
     except BaseException as err:
         from safetensors import SafetensorError  # how safetensors reports a failed write
         from torch.distributed.checkpoint.api import CheckpointException  # a rank's failed write
 
-        if tmp is not None and _is_main():
+        if tmp is not None and world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, (OSError, SafetensorError, CheckpointException)):  # disk full, read-only or vanished directory
             previous = latest_checkpoint(run_dir)
@@ -634,7 +628,7 @@ def _prune(root: Path, keep: Path, keep_last: Optional[int]) -> None:
     for leftover in root.iterdir():
         if leftover.is_dir() and leftover.name.startswith((".tmp-", ".trash-")):
             shutil.rmtree(leftover, ignore_errors=True)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def load_checkpoint(
@@ -676,13 +670,13 @@ def load_checkpoint(
     trainer_state = _load_state(path, "trainer_state")
 
     if sharded:
-        _load_shards(_unwrap(model), optimizer, optimizer_state, path)
+        _load_shards(unwrap(model), optimizer, optimizer_state, path)
     else:
         _load_weights(model, path / MODEL_DIR)
     if optimizer_state is not None and not sharded:
         try:
             set_optimizer_state_dict(
-                _unwrap(model), optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True)
+                unwrap(model), optimizer, optimizer_state, options=StateDictOptions(full_state_dict=True)
             )
         except (ValueError, KeyError, RuntimeError, AssertionError) as err:
             raise CheckpointError(f"{path / 'optimizer.json'} does not fit the optimizer: {err}") from None
@@ -715,76 +709,3 @@ def _load_shards(model, optimizer: Optional[torch.optim.Optimizer], hyper: Optio
         return
     state = {**(hyper or {}), **{k[len("optimizer."):]: v for k, v in tensors.items() if k.startswith("optimizer.")}}
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=state, options=loading)
-
-
-def _write_folder(out: Path, write) -> Path:
-    """Call write(folder) on a temporary folder, then move it to `out` atomically."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    try:
-        write(tmp)
-        _sync_tree(tmp)
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def export_model(
-    model,
-    tokenizer,
-    out_dir: Path,
-    gguf_template: Optional[Path] = None,
-    gguf_type: str = "q4_1",
-    weights: Optional[Mapping[str, torch.Tensor]] = None,
-) -> dict[str, Path]:
-    """Write the model for deployment; returns {"hf": folder} plus {"gguf": file} with a template,
-    and for a model with LoRA adapters also {"adapter": folder} and, with a template, {"gguf_adapter": file}.
-
-    `weights` (default: the model's state_dict) are the ones written: a sharded model's gathered weights.
-
-    `out_dir/hf/` is a Hugging Face folder (safetensors, config, tokenizer) that
-    `from_pretrained` loads; it replaces a previous export atomically. With `gguf_template`
-    (the GGUF the model came from: its tokenizer and metadata are reused), also
-    `out_dir/model-{gguf_type}.gguf` for llama.cpp, of type f32, f16, bf16, q8_0, q4_0 or q4_1.
-    With adapters, `hf/` and `model-{gguf_type}.gguf` hold the merged model (W + scale B A),
-    `adapter/` the adapter in peft's layout (`PeftModel.from_pretrained(base, "adapter")`) and
-    `adapter.gguf` llama.cpp's LoRA adapter (`llama-cli -m <template> --lora adapter.gguf`): the
-    exact trained model on the template's own base, where a merged quantised file rounds the update.
-    """
-    from deployrl.engines.gguf_io import FILE_TYPES, GGUFTemplate, write_gguf, write_gguf_adapter
-    from deployrl.lora import adapter_scales, is_adapter_name, merge_adapters, saved_name, split_adapter
-    from deployrl.registry import unknown_name_error
-
-    if gguf_template is not None:
-        gguf_template = Path(gguf_template)
-        if gguf_type not in FILE_TYPES:
-            raise unknown_name_error("GGUF file type", gguf_type, list(FILE_TYPES))
-        if not gguf_template.is_file():
-            raise FileNotFoundError(f"GGUF template not found: {gguf_template}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = _unwrap(model)
-    weights = dict(weights if weights is not None else target.state_dict())
-    lora = has_adapters(target)
-    if lora:
-        saved = {saved_name(k): v.detach().cpu() for k, v in weights.items() if is_adapter_name(k)}
-        base, adapters = split_adapter(weights, adapter_scales(target))
-        weights = merge_adapters(base, adapters)
-    written: dict[str, Path] = {}
-    written["hf"] = _write_folder(out_dir / "hf", lambda folder: _save_model(target, tokenizer, folder, weights))
-    if lora:
-        written["adapter"] = _write_folder(out_dir / "adapter", lambda folder: _save_model(
-            target, tokenizer, folder, adapter=saved))
-    if gguf_template is not None:
-        template = GGUFTemplate.read(gguf_template)
-        out = out_dir / f"model-{gguf_type}.gguf"
-        write_gguf(weights, target.config, template, out, gguf_type)
-        written["gguf"] = out
-        if lora:
-            written["gguf_adapter"] = write_gguf_adapter(adapters, target.config, template.arch, out_dir / "adapter.gguf")
-        for file in written.values():
-            if file.is_file():
-                _fsync_file(file)
-        _fsync_dir(out_dir)
-    return written

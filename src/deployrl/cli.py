@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from deployrl import __version__
+
+# command -> (module whose main(argv) runs it, one line of help)
+COMMANDS = {
+    "train": ("deployrl.train_cli", "RL post-training (no arguments: the embedded default)"),
+    "eval": ("deployrl.evaluate", "score a model on a task or benchmark in a deployment engine"),
+    "selfcheck": ("deployrl.selfcheck",
+                  "variance of the prefix-sampled gradient per cutoff strategy on a random instance"),
+    "mismatch": ("deployrl.mismatch",
+                 "sample with a deployment engine, recompute with the trainer, report the discrepancy"),
+    "bench": ("deployrl.bench", "benchmarks: update-phase speed/memory, gradient variance, whole steps, engines"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,31 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"deployrl {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="command", required=True)
-    commands.add_parser("train", add_help=False, help="RL post-training (no arguments: the embedded default)")
-    commands.add_parser("eval", add_help=False, help="score a model on a task or benchmark in a deployment engine")
-    commands.add_parser(
-        "selfcheck",
-        add_help=False,
-        help="variance of the prefix-sampled gradient per cutoff strategy on a random instance",
-    )
-    commands.add_parser(
-        "mismatch",
-        add_help=False,
-        help="sample with a deployment engine, recompute with the trainer, report the discrepancy",
-    )
-    commands.add_parser("bench", add_help=False, help="benchmarks: update-phase speed/memory, gradient variance, whole steps")
+    for name, (_, help_text) in COMMANDS.items():
+        commands.add_parser(name, add_help=False, help=help_text)
     args, rest = parser.parse_known_args(argv)
-    if args.command == "train":
-        from deployrl.train_cli import main as command
-    elif args.command == "eval":
-        from deployrl.evaluate import main as command
-    elif args.command == "bench":
-        from deployrl.bench import main as command
-    elif args.command == "selfcheck":
-        from deployrl.selfcheck import main as command
-    else:
-        from deployrl.mismatch import main as command
-    return command(rest)
+    return importlib.import_module(COMMANDS[args.command][0]).main(rest)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ A command's settings are one validated, frozen dataclass. `CommandLine.parse` bu
 
 So every command reports an unknown key (with the nearest valid one), a value of the wrong type
 or out of range, and a bad file (with its line) the same way, before anything loads, and
-`--print-config` shows the resolved settings.
+`--print-config` shows the resolved settings. A flag's help is its key's help, written once on
+the config field (`configdoc.setting`), unless the flag does more than set the key.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, NoReturn, Optional, Sequence
 
-from deployrl.configio import ConfigError, load, parse_value, split_config_items, to_dict
+from deployrl.configdoc import commented_yaml, key_help
+from deployrl.configio import ConfigError, load, parse_value, split_config_items
 
 NO_VALUE = object()  # a flag whose `const` is this takes an argument
 
@@ -30,7 +32,7 @@ class Flag:
 
     name: str  # "--num-prompts", "-n"
     key: str  # dotted config key
-    help: str = ""
+    help: str = ""  # only where the flag does more than set the key; "": the key's own help
     many: bool = False
     const: Any = NO_VALUE
     also: tuple[tuple[str, Any], ...] = ()
@@ -70,14 +72,16 @@ class CommandLine:
         self.parser.add_argument("items", nargs="*", metavar=metavar, help=help_text)
         defaults = config_class()
         for flag in self.flags:
+            text = _escaped(flag.help or key_help(config_class, flag.key))
             if flag.const is not NO_VALUE:
                 self.parser.add_argument(flag.name, dest=flag.dest, action="store_const", const=True,
-                                         default=argparse.SUPPRESS, help=f"{flag.help} ({flag.key}={flag.const})")
+                                         default=argparse.SUPPRESS, help=f"{text} ({flag.key}={flag.const})")
                 continue
             shown = "" if flag.also else f", default {_value_of(defaults, flag.key)}"
             self.parser.add_argument(flag.name, dest=flag.dest, nargs="+" if flag.many else None,
-                                     default=argparse.SUPPRESS, help=f"{flag.help} ({flag.key}{shown})".lstrip())
-        self.parser.add_argument("--print-config", action="store_true", help="print the resolved settings as YAML and exit")
+                                     default=argparse.SUPPRESS, help=f"{text} ({flag.key}{shown})".lstrip())
+        self.parser.add_argument("--print-config", action="store_true",
+                                 help="print the resolved settings as YAML, each key with its help, and exit")
 
     def parse(self, argv: Optional[Sequence[str]]) -> tuple[Any, argparse.Namespace]:
         """(the validated config, argparse's namespace for the command's own extra arguments);
@@ -91,15 +95,18 @@ class CommandLine:
         except ConfigError as err:
             self.fail(err)
         if args.print_config:
-            import yaml
-
-            print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+            print(commented_yaml(config), end="")
             self.parser.exit(0)
         return config, args
 
     def fail(self, error: Exception) -> NoReturn:
         """Exit with status 2 and `error` on one line: bad input, not a traceback."""
         self.parser.exit(2, f"{self.parser.prog}: error: {error}\n")
+
+
+def _escaped(text: str) -> str:
+    """Help text as argparse shows it verbatim (it formats `%`)."""
+    return text.replace("%", "%%")
 
 
 def _value_of(config: Any, key: str) -> Any:

@@ -189,6 +189,12 @@ def close_world(world: World) -> None:
         dist.destroy_process_group()
 
 
+def barrier(world: World) -> None:
+    """Wait until every rank of `world` arrives here (a world of one goes straight on)."""
+    if world.distributed:
+        dist.barrier()
+
+
 def any_rank(flag: bool, world: World) -> bool:
     """True on every rank when `flag` is True on at least one."""
     return all_reduce_sum([float(flag)], world)[0] > 0

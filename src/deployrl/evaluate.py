@@ -13,18 +13,20 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 from deployrl.algo._checks import check_positive
 from deployrl.config import EvalSettings, default_task
 from deployrl.configcli import CommandLine, Flag
-from deployrl.engines import parse_engine_spec
+from deployrl.configdoc import setting
+from deployrl.engines import engine_help, engine_kind, parse_engine_spec
 from deployrl.engines.base import SamplingParams
 from deployrl.prompts import encode_prompts
 from deployrl.reward_sandbox import score_completions
-from deployrl.tasks import TaskConfig, load_task
+from deployrl.task_settings import TaskConfig
+from deployrl.tasks import load_task
 
 
 @dataclass(frozen=True)
@@ -32,17 +34,19 @@ class EvalCommandConfig(EvalSettings):
     """`deployrl eval`: a model, the engine that samples it, and what a run's `eval` section sets."""
 
     num_prompts: int = 50
-    max_new_tokens: int = 512
-    # the default run's task, seed 1: other problems than a default run trained on (its held-out set)
-    task: TaskConfig = field(default_factory=lambda: replace(default_task(), seed=1))
-    # model directory (e.g. a checkpoint's model/ folder or an export), .gguf file, alias, or LoRA adapter folder
-    model: str = "smollm2-135m"
-    base: Optional[str] = None  # an adapter's base model (None: the one its adapter_config.json names)
-    # GGUF whose tokenizer/metadata a llamacpp engine reuses (None: the model's own GGUF, else smollm2-135m's)
-    gguf_template: Optional[str] = None
-    engine: str = "llamacpp:q4_1"  # hf:{fp32,bf16,fp16,fp8} or llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}
-    seed: int = 0  # the sampling seed
-    json: Optional[str] = None  # also write the scores here
+    max_new_tokens: int = setting(512, "the longest completion")
+    task: TaskConfig = setting(help="the task scored (docs/tasks.md); default: the default run's task with seed 1,"
+                                    " other problems than a default run trained on (its held-out set)",
+                               factory=lambda: replace(default_task(), seed=1))
+    model: str = setting("smollm2-135m", "model directory (e.g. a checkpoint's model/ folder or an export), .gguf file,"
+                                         " alias, or a LoRA adapter folder (peft layout: a LoRA run's checkpoint"
+                                         " model/ or export adapter/)")
+    base: Optional[str] = setting(None, "an adapter's base model; None: the one its adapter_config.json names")
+    gguf_template: Optional[str] = setting(None, "GGUF whose tokenizer/metadata an engine that needs a GGUF reuses;"
+                                                 " None: the model's own GGUF, else smollm2-135m's")
+    engine: str = setting("llamacpp:q4_1", lambda: f"the engine that samples, {engine_help()}")
+    seed: int = setting(0, "the sampling seed")
+    json: Optional[str] = setting(None, "also write the scores as JSON to this path")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,22 +55,21 @@ class EvalCommandConfig(EvalSettings):
 
 
 FLAGS = (
-    Flag("--model", "model", "model directory (e.g. a checkpoint's model/ folder or an export), .gguf file, alias,"
-         " or a LoRA adapter folder (peft layout: a LoRA run's checkpoint model/ or export adapter/)"),
-    Flag("--base", "base", "the base model of a LoRA adapter (default: the one its adapter_config.json names)"),
-    Flag("--gguf-template", "gguf_template", "GGUF whose tokenizer/metadata a llamacpp engine reuses"),
-    Flag("--engine", "engine", "engine spec, e.g. llamacpp:q4_1, hf:bf16 or vllm:bf16"),
+    Flag("--model", "model"),
+    Flag("--base", "base"),
+    Flag("--gguf-template", "gguf_template"),
+    Flag("--engine", "engine"),
     Flag("--task", "task.name", "a reasoning-gym dataset, with its own default settings",
          also=(("task.type", "reasoning_gym"), ("task.rg_config", {}), ("task.instruction", None))),
     Flag("--benchmark", "task.name", "math500, aime24, aime25, amc23, minerva_math, olympiadbench or gsm8k",
          also=(("task.type", "benchmark"),)),
-    Flag("--num-prompts", "num_prompts", "problems (the first ones of the task)"),
-    Flag("--samples", "samples", "completions per problem (k)"),
+    Flag("--num-prompts", "num_prompts"),
+    Flag("--samples", "samples"),
     Flag("--temperature", "temperature"),
-    Flag("--greedy", "top_k", "top-k 1 sampling", const=1),
+    Flag("--greedy", "top_k", "greedy decoding", const=1),
     Flag("--max-new-tokens", "max_new_tokens"),
-    Flag("--seed", "seed", "sampling seed"),
-    Flag("--json", "json", "also write the scores as JSON to this path"),
+    Flag("--seed", "seed"),
+    Flag("--json", "json"),
 )
 
 
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         source = resolve_model(adapter_base(adapter, config.base) if adapter else config.model)
         # a llamacpp engine writes the weights into a GGUF shaped like a template's
         engine_source = source
-        if config.gguf_template or (source.gguf_file is None and config.engine.startswith("llamacpp")):
+        if config.gguf_template or (source.gguf_file is None and engine_kind(config.engine).needs_gguf):
             engine_source = resolve_model(config.gguf_template or "smollm2-135m")
         tokenizer = load_tokenizer(source)
     except (ValueError, FileNotFoundError) as err:

@@ -20,10 +20,12 @@ import torch
 
 from deployrl.algo.discrepancy import SIGNALS, discrepancy_summary, token_discrepancy
 from deployrl.configcli import CommandLine, Flag
-from deployrl.engines import make_engine, parse_engine_spec
+from deployrl.configdoc import setting
+from deployrl.engines import check_model_file, engine_help, make_engine, parse_engine_spec
 from deployrl.engines.check import verify_engine
 from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
-from deployrl.models import DTYPES, ModelSource, end_token_ids, load_model, load_tokenizer, resolve_model, token_logprobs
+from deployrl.model_settings import DTYPES
+from deployrl.models import ModelSource, end_token_ids, load_model, load_tokenizer, resolve_model, token_logprobs
 from deployrl.prompts import encode_prompts
 from deployrl.registry import unknown_name_error
 
@@ -32,20 +34,21 @@ from deployrl.registry import unknown_name_error
 class MismatchConfig:
     """What to compare. Every field is checked on construction, before any model loads."""
 
-    model: str = "smollm2-135m"  # model directory, GGUF file, hub id or alias
-    engine: str = "llamacpp:q4_1"  # engine spec kind:option
-    dtype: str = "fp32"  # the trainer's precision
-    prompts: Optional[str] = None  # .jsonl/.txt prompt file; None: the embedded default task's questions
-    num_prompts: int = 8  # how many prompts (first ones of the file, or generated)
-    n: int = 4  # completions per prompt
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    threshold: float = 0.01  # report the fraction of tokens with |p_old - p_inf| above this
-    chunk_tokens: int = 1024  # tokens per chunk of the trainer's output head
-    json: Optional[str] = None  # also write the report here
+    model: str = setting("smollm2-135m", "model directory, .gguf file, hub id or alias")
+    engine: str = setting("llamacpp:q4_1", lambda: f"the deployment engine compared with the trainer, {engine_help()}")
+    dtype: str = setting("fp32", f"the trainer's precision: {', '.join(DTYPES)}")
+    prompts: Optional[str] = setting(None, ".jsonl (prompt or messages per line) or .txt prompt file; None: the"
+                                           " questions of the embedded default task")
+    num_prompts: int = setting(8, "how many prompts (the first ones of the file, or of the task)")
+    n: int = setting(4, "completions per prompt")
+    max_new_tokens: int = setting(64, "the longest completion")
+    temperature: float = setting(1.0, "sampling temperature")
+    top_p: float = setting(1.0, "nucleus sampling; 1 = off")
+    top_k: int = setting(0, "top-k sampling; 0 = off")
+    seed: int = setting(0, "the sampling seed")
+    threshold: float = setting(0.01, "report the fraction of tokens with |p_old - p_inf| above this")
+    chunk_tokens: int = setting(1024, "tokens per chunk of the trainer's output head")
+    json: Optional[str] = setting(None, "also write the report as JSON to this path")
 
     def __post_init__(self) -> None:
         parse_engine_spec(self.engine)
@@ -99,11 +102,7 @@ def _finite(value: torch.Tensor) -> Optional[float]:
 def checked_source(config: MismatchConfig) -> ModelSource:
     """The model's source, checked against the engine before anything loads."""
     source = resolve_model(config.model)
-    if parse_engine_spec(config.engine)[0] == "llamacpp" and source.gguf_path is None:
-        raise ValueError(
-            f"--engine {config.engine} writes the model's weights into a GGUF shaped like the model's own, so"
-            f" --model must be a .gguf file or smollm2-135m, got {config.model!r}; or use --engine hf:bf16"
-        )
+    check_model_file(config.engine, config.model, source.gguf_path is not None, "--engine", "--model")
     return source
 
 
@@ -143,7 +142,7 @@ def run(config: MismatchConfig) -> dict[str, object]:
         "stopped": sum(r == "stop" for r in batch.finish_reasons),
         "engine_build_s": build_s,
         "kernel_check_gap": check_gap,
-        "engine_tokens_per_s": batch.timing["tokens_per_s"],
+        "engine_tokens_per_s": batch.timing.tokens_per_s,
         "trainer_recompute_s": recompute_s,
     }
     report.update(discrepancy_report(stats.logp, batch, config.threshold))
@@ -185,21 +184,19 @@ def _fmt(value: Optional[float]) -> str:
 
 
 FLAGS = (
-    Flag("--model", "model", "model directory, .gguf file, hub id, or smollm2-135m"),
-    Flag("--engine", "engine", "engine spec: hf:{fp32,bf16,fp16,fp8}, llamacpp:{f32,f16,bf16,q8_0,q4_0,q4_1}"
-         " or vllm:{bf16,fp16,fp32,fp8,fp8_per_tensor,fp8_per_channel,fp8_per_block}"),
-    Flag("--dtype", "dtype", "trainer precision: fp32, bf16 or fp16"),
-    Flag("--prompts", "prompts", ".jsonl (prompt or messages per line) or .txt file; default: the questions of the"
-         " embedded training task"),
+    Flag("--model", "model"),
+    Flag("--engine", "engine"),
+    Flag("--dtype", "dtype"),
+    Flag("--prompts", "prompts"),
     Flag("--num-prompts", "num_prompts"),
-    Flag("-n", "n", "completions per prompt"),
+    Flag("-n", "n"),
     Flag("--max-new-tokens", "max_new_tokens"),
     Flag("--temperature", "temperature"),
     Flag("--top-p", "top_p"),
-    Flag("--top-k", "top_k", "0 = off"),
+    Flag("--top-k", "top_k"),
     Flag("--seed", "seed"),
-    Flag("--threshold", "threshold", "report the share of tokens with |p_old - p_inf| above this"),
-    Flag("--json", "json", "also write the report as JSON to this path"),
+    Flag("--threshold", "threshold"),
+    Flag("--json", "json"),
 )
 
 

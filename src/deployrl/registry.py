@@ -1,12 +1,16 @@
 """Registries by name: advantage estimators, aggregations, discrepancy signals, cutoff laws.
 
 An unknown name fails with the list of valid names and the closest match; registering a
-name twice is refused, so a plug-in cannot silently replace a built-in.
+name twice is refused, so a plug-in cannot silently replace a built-in. A closed vocabulary of
+a setting (a schedule, a dynamic-sampling mode) is a `Choice` enum: its members are the names a
+config holds, each with its meaning, and the module that defines it is the only one that tells
+the names apart.
 """
 
 from __future__ import annotations
 
 import difflib
+import enum
 from typing import Generic, Iterator, TypeVar
 
 T = TypeVar("T")
@@ -50,3 +54,35 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._items)
+
+
+class Choice(str, enum.Enum):
+    """A closed vocabulary of a setting. A member is the plain name a config holds (a `str`) with
+    its meaning, `help`: ``CONSTANT = "constant", "the peak rate after warmup"``."""
+
+    help: str
+
+    def __new__(cls, name: str, help: str = ""):
+        member = str.__new__(cls, name)
+        member._value_ = name
+        member.help = help
+        return member
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [member.value for member in cls]
+
+    @classmethod
+    def get(cls, kind: str, name: str) -> "Choice":
+        """The member called `name`; an unknown name fails as a registry's does, `kind` naming the setting."""
+        if name not in cls.names():
+            raise unknown_name_error(kind, name, cls.names())
+        return cls(name)
+
+    @classmethod
+    def described(cls) -> str:
+        """'name (meaning), ...' for help texts and docs."""
+        return ", ".join(f"{m.value} ({m.help})" if m.help else m.value for m in cls)

@@ -26,7 +26,8 @@ from deployrl.config import TrainConfig
 from deployrl.distributed import World, all_gather_rows, all_reduce_sum, any_rank, contiguous_shares, gather_in_order
 from deployrl.engines import make_engine
 from deployrl.engines.base import (
-    SEMANTICS, RolloutBatch, RolloutEngine, SamplingParams, check_rollouts, no_token_stats, pad_rollouts,
+    SEED_STRIDE, SEMANTICS, RolloutBatch, RolloutEngine, SamplingParams, Timing, check_rollouts, no_token_stats,
+    pad_rollouts,
 )
 from deployrl.engines.check import check_engine, check_ids, reference_logprobs, reference_on
 from deployrl.errors import EngineError, EngineTimeout, RewardFailure
@@ -87,7 +88,7 @@ class Rollouts:
             "reward/groups_dropped": float(len(self.sampled_rewards) - len(self.rewards)),
             "reward/failures": float(self.reward_failures),
             "reward/timeouts": float(self.reward_timeouts),
-            "engine/tokens_per_s": self.batch.timing.get("tokens_per_s", 0.0),
+            "engine/tokens_per_s": self.batch.timing.tokens_per_s,
         }
         if self.examples:
             metrics["completion/mean_length"] = float(self.batch.lengths.float().mean())
@@ -143,9 +144,9 @@ class RolloutWorker:
         self.model = model
         self.vocab_size = output_head(model).shape[0]
         self.end_tokens = end_token_ids(tokenizer, model)
-        self.samples = world.is_main or config.rollout.engine_ranks == "all"
+        self.samples = world.is_main or config.rollout.every_rank_samples
         ps = config.algo.ps  # the engine reports the distribution statistics the cutoff law is solved from
-        self.top_m = ps.top_m if ps.proxies_from("engine") else 0
+        self.top_m = ps.top_m if ps.engine_proxies() else 0
         # the kernel self-check's sequence, scored by the model now (before sharding: every rank alone)
         self.check_ids = check_ids(tokenizer, self.vocab_size)
         self.reference = reference_logprobs(model, self.check_ids)
@@ -189,14 +190,14 @@ class RolloutWorker:
         """Sample the groups of step `step` (0-based) from the next prompts of `stream`; drop (or
         refill, `algo.dynamic_sampling`) groups whose rewards are all equal."""
         cfg = self.config
-        mode = cfg.algo.dynamic_sampling if cfg.algo.kl_coef == 0 else "off"  # with KL they still teach
+        refill_rounds = cfg.algo.refill_rounds
         wanted = cfg.rollout.prompts_per_step
-        params = replace(cfg.rollout.sampling(seed=cfg.seed * 1_000_003 + step), top_m=self.top_m)
+        params = replace(cfg.rollout.sampling(seed=cfg.seed * SEED_STRIDE + step), top_m=self.top_m)
         rollouts = self.sample(stream.take(wanted), params, step)
-        if mode == "off":
+        if refill_rounds is None:
             return rollouts
         rollouts = rollouts.select(~zero_variance_groups(rollouts.rewards))
-        for round_ in range(1, cfg.algo.max_refill_rounds + 1 if mode == "refill" else 1):
+        for round_ in range(1, refill_rounds + 1):
             if len(rollouts.examples) >= wanted:
                 break
             params = replace(params, seed=params.seed + 7919 * round_)
@@ -214,7 +215,7 @@ class RolloutWorker:
         """
         world, k, cfg = self.world, params.n, self.config
         prompt_ids = encode_prompts(self.tokenizer, [e.prompt for e in examples])
-        if cfg.rollout.engine_ranks == "all":
+        if cfg.rollout.every_rank_samples:
             shares = contiguous_shares(len(examples), world.size)
         else:  # rank 0's engine samples every prompt
             shares = [range(len(examples))] + [range(len(examples), len(examples))] * (world.size - 1)
@@ -270,7 +271,7 @@ class RolloutWorker:
                 else:  # this rank's share of the step is empty
                     semantics = self.engine.semantics if self.engine is not None else "none"  # gather_batch skips it
                     stats = no_token_stats(params.top_m, self.vocab_size) if params.top_m else {}
-                    batch = replace(pad_rollouts([], [], [], [], semantics, params.n, {}), stats=stats)
+                    batch = replace(pad_rollouts([], [], [], [], semantics, params.n), stats=stats)
             except Exception as err:
                 failure = err
                 self.engine = None  # never reused: it may be hung, or broken in a way a retry would repeat
@@ -298,8 +299,7 @@ class RolloutWorker:
         # the engine's semantics, from a rank that sampled (a rank without rows may hold no engine)
         codes = all_gather_rows(torch.tensor([SEMANTICS.index(local.semantics) if local.finish_reasons else -1]), world)
         semantics = SEMANTICS[max(int(c) for c in codes)]
-        tokens, seconds = all_reduce_sum([local.timing.get("tokens", 0.0), local.timing.get("generate_s", 0.0)], world)
-        seconds /= world.size  # the ranks generate at the same time
+        tokens, seconds = all_reduce_sum([local.timing.tokens, local.timing.generate_s], world)
         return RolloutBatch(
             prompt_ids=prompt_ids,
             completion_ids=gather_in_order(local.completion_ids, row_shares, world),
@@ -308,6 +308,6 @@ class RolloutWorker:
             finish_reasons=["stop" if s else "length" for s in gather_in_order(stops, row_shares, world).tolist()],
             semantics=semantics,
             group_size=local.group_size,
-            timing={"generate_s": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9)},
+            timing=Timing(seconds / world.size, tokens),  # the ranks generate at the same time
             stats={name: gather_in_order(value, row_shares, world) for name, value in local.stats.items()},
         )

@@ -23,6 +23,7 @@ from deployrl.algo._checks import check_positive
 from deployrl.algo.prefix import STRATEGIES, cutoff_law, sample_plan
 from deployrl.config import PSConfig
 from deployrl.configcli import CommandLine, Flag
+from deployrl.configdoc import setting
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ def estimator_stats(
 ) -> dict[str, float]:
     """Monte Carlo relative variance and bias of the prefix-sampled gradient."""
     group_size = inst.mask.shape[0]
-    weights = inst.exact_weights if strategy == "optimized" else inst.heuristic_weights
+    # the law fed gamma * u gets the instance's exact per-token variance weights, the others a noisy proxy
+    weights = inst.exact_weights if STRATEGIES.get(strategy).uses_uncertainty else inst.heuristic_weights
     xi = cutoff_law(strategy, inst.mask, group_size, budget, xi_min, weights)
     full = inst.grads.sum(dim=(0, 1))  # [D]
     flat_grads = inst.grads.reshape(-1, inst.grads.shape[-1])  # [K*T, D]
@@ -74,13 +76,15 @@ def estimator_stats(
 
 @dataclass(frozen=True)
 class SelfCheckConfig:
-    group_size: int = 8  # completions per prompt (K)
-    max_len: int = 512  # longest completion (T)
-    budget: float = 128.0  # expected tokens per completion (B)
-    xi_min: float = 0.01  # smallest inclusion probability
-    dim: int = 32  # dimension of the gradient vectors
-    draws: int = 2000  # Monte Carlo draws per strategy
-    seed: int = 0
+    """`deployrl selfcheck`: the random instance and the Monte Carlo draws."""
+
+    group_size: int = setting(8, "completions per prompt (K)")
+    max_len: int = setting(512, "longest completion (T), 4 or more")
+    budget: float = setting(128.0, "expected tokens per completion (B)")
+    xi_min: float = setting(0.01, "smallest inclusion probability")
+    dim: int = setting(32, "dimension of the gradient vectors")
+    draws: int = setting(2000, "Monte Carlo draws per strategy")
+    seed: int = setting(0, "seed of the instance and the draws")
 
     def __post_init__(self) -> None:
         PSConfig(budget=self.budget, xi_min=self.xi_min)  # a training run's bounds on both
@@ -91,12 +95,12 @@ class SelfCheckConfig:
 
 
 FLAGS = (
-    Flag("--group-size", "group_size", "completions per prompt (K)"),
-    Flag("--max-len", "max_len", "longest completion (T)"),
-    Flag("--budget", "budget", "expected tokens per completion (B)"),
-    Flag("--xi-min", "xi_min", "smallest inclusion probability"),
-    Flag("--dim", "dim", "dimension of the gradient vectors"),
-    Flag("--draws", "draws", "Monte Carlo draws per strategy"),
+    Flag("--group-size", "group_size"),
+    Flag("--max-len", "max_len"),
+    Flag("--budget", "budget"),
+    Flag("--xi-min", "xi_min"),
+    Flag("--dim", "dim"),
+    Flag("--draws", "draws"),
     Flag("--seed", "seed"),
 )
 

@@ -1,16 +1,17 @@
 """The training loop: GRPO-family RL against the deployment engine, with DC-GRPO and PS-PPO.
 
-One step (`Trainer.step`), as in DESIGN.md:
+One step (`Trainer.step`; docs/architecture.md follows it through the code):
 
     prompts -> rollout engine (K per prompt, logp_inf) -> rewards        rollout.RolloutWorker.collect
-    -> trainer no-grad pass (logp_old, proxies)                          learner.Learner.old_pass
-    -> delta, tolerance c, lambda-shaped advantages or weights           Learner.advantages
-    -> cutoff plan (xi, H)                                               Learner.plan
+    -> cutoff plan (xi, H) and trainer no-grad pass, in the PS order     ps_orders (via Learner.learn)
+    -> delta, mean D; the tolerance c from the first batch               Correction.measure
     -> graded pass on the kept prefixes, loss, backward, optimizer step  Learner.update
-    -> dual update of lambda -> weight sync to the engine -> metrics, checkpoint
+       (advantages and weights per token from the correction)           Correction.token_terms
+    -> dual update of lambda (dc)                                        Correction.after_update
+    -> weight sync to the engine -> metrics, checkpoint
 
-With `dc`, the tolerance c defaults to `relative_tolerance` x the mean discrepancy of the first
-batch, measured before any update (the scale of delta depends on model and engine). Groups whose
+The tolerance c defaults to `dc.relative_tolerance` x the mean discrepancy of the first batch,
+measured before any update (the scale of delta depends on model and engine). Groups whose
 rewards are all equal are dropped (or refilled) when the KL term is off: their advantages are 0.
 
 Faults (docs/runs.md, "What survives what"): an optimizer update whose loss or gradient is not
@@ -26,7 +27,6 @@ same data on every rank (distributed.py). Rank 0 alone logs, evaluates and write
 from __future__ import annotations
 
 import logging
-import math
 import random
 import signal
 import time
@@ -37,18 +37,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from deployrl.algo.discrepancy import (
-    CORRECTIONS,
-    DualController,
-    discrepancy_estimate,
-    discrepancy_summary,
-    token_discrepancy,
-    trajectory_discrepancy,
-)
+from deployrl.algo.discrepancy import discrepancy_summary
 from deployrl.checkpoint import (
     checkpoint_path,
     checkpoint_step,
-    export_model,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -59,7 +51,8 @@ from deployrl.distributed import World, all_reduce_sum, full_state_dict, init_wo
 from deployrl.engines.base import trainer_view
 from deployrl.engines.check import reference_logprobs
 from deployrl.errors import NonFiniteError, StopSignals, TrainingInterrupted
-from deployrl.learner import Learner, UpdateResult
+from deployrl.export import export_model
+from deployrl.learner import Learned, Learner, UpdateResult
 from deployrl.lora import add_lora
 from deployrl.models import load_model, load_tokenizer, resolve_model
 from deployrl.rollout import PromptStream, Rollouts, RolloutWorker
@@ -75,9 +68,17 @@ class TrainState:
 
     step: int = 0
     data_position: int = 0
-    tolerance: Optional[float] = None
-    dual: dict[str, float] = field(default_factory=dict)
+    correction: dict[str, Optional[float]] = field(default_factory=dict)  # Correction.state_dict()
     skipped_in_a_row: int = 0  # consecutive steps with a skipped (non-finite) update
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> "TrainState":
+        """The state of a checkpoint; one written before corrections owned their state keeps c and
+        lambda as `tolerance` and `dual`."""
+        if "dual" in saved:
+            saved = dict(saved)
+            saved["correction"] = {"tolerance": saved.pop("tolerance"), **saved.pop("dual")}
+        return cls(**saved)
 
 
 class Trainer:
@@ -109,18 +110,14 @@ class Trainer:
         self.learner = Learner(config, self.model, self.world)
         # the command that continues this run, for stop messages (the CLI sets the real one)
         self.resume_command = "deployrl train <your config and overrides> --resume"
-        dc = config.algo.dc
-        self.dual = DualController(tolerance=dc.tolerance or 0.0, lr=dc.lr, lam_max=dc.lam_max, lam=dc.lam_init)
-        self.state = TrainState(tolerance=dc.tolerance)
+        self.state = TrainState()
         self.resumed_from = self._resume_checkpoint() if resume else None
         if self.resumed_from is not None:
             learner = self.learner
             saved = load_checkpoint(self.resumed_from, self.model, learner.optimizer, learner.scheduler,
                                     {"plan": learner.generator}, verify=False)
-            self.state = TrainState(**saved)
-            self.dual.load_state_dict(self.state.dual)
-            if self.state.tolerance is not None:
-                self.dual.tolerance = self.state.tolerance
+            self.state = TrainState.from_saved(saved)
+            self.learner.correction.load_state_dict(self.state.correction)
             self.sync_engine()
         else:
             if resume:
@@ -150,7 +147,7 @@ class Trainer:
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """The model's whole weights for the engines: on every rank, or on rank 0 alone when only it
         samples (`rollout.engine_ranks=main`; the others get {}). A collective when sharded."""
-        return full_state_dict(self.model, self.world, to_main_only=self.config.rollout.engine_ranks == "main")
+        return full_state_dict(self.model, self.world, to_main_only=not self.config.rollout.every_rank_samples)
 
     def sync_engine(self) -> None:
         """Give this rank's engine (if it has one) the model's current weights; every rank calls it."""
@@ -171,63 +168,33 @@ class Trainer:
     def learn(self, rollouts: Rollouts, times: Optional[dict[str, float]] = None) -> dict[str, float]:
         """Everything of a step after sampling; the step counter advances. Returns the step's
         metrics, with the seconds of each stage (time/old_pass, time/plan, time/update, time/sync)."""
-        cfg, learner, dual = self.config, self.learner, self.dual
-        metrics, clock = {**rollouts.metrics(), **(times or {})}, [time.perf_counter()]
-
-        def lap(name: str) -> None:
-            clock.append(time.perf_counter())
-            metrics[f"time/{name}"] = clock[-1] - clock[-2]
-
+        metrics, correction = {**rollouts.metrics(), **(times or {})}, self.learner.correction
         if rollouts.examples:
-            batch = rollouts.batch
-            view = trainer_view(batch.semantics, cfg.rollout.sampling(seed=0))
-            plan, old, seconds = learner.prepare(rollouts, view, tolerance_known=self.state.tolerance is not None)
-            metrics |= {f"time/{name}": value for name, value in seconds.items()}
-            clock.append(time.perf_counter())
-            measured = self._discrepancy(batch, plan, old.logp) if old is not None else None
-            # c is set from a batch with at least one token seen: D_hat of no token is 0, not D
-            tolerance = self._tolerance(measured[2] if measured and measured[1].any() else math.nan)
-            update = learner.update(rollouts, plan, view, dual.lam, tolerance, old)
-            lap("update")
-            delta, seen, mean_d = measured or self._discrepancy(batch, plan, update.logp_old)
-            tolerance = self._tolerance(mean_d if seen.any() else math.nan)
-            self._count_skips(update, rollouts)
-            if update.applied:  # weights changed: lambda and the engine follow
-                if CORRECTIONS.get(cfg.algo.correction).constrained:
-                    metrics["dc/lambda_used"] = dual.lam
-                    dual.step(mean_d)
+            view = trainer_view(rollouts.batch.semantics, self.config.rollout.sampling(seed=0))
+            learned = self.learner.learn(rollouts, view)
+            self._count_skips(learned.update, rollouts)
+            start = time.perf_counter()
+            if learned.update.applied:  # weights changed: lambda and the engine follow
+                metrics |= correction.after_update(learned.measured)
                 self.sync_engine()
-            lap("sync")
-            summary = discrepancy_summary(delta, seen, update.logp_old, tolerance) | {"mean_D": mean_d}
-            metrics |= {f"dc/{k}": float(v) for k, v in summary.items()}
-            metrics |= update.metrics() | {
-                "dc/tolerance": tolerance, "ps/tokens_kept": float(plan.keep.sum()),
-                "ps/tokens_total": float(batch.mask.sum()), "ps/expected_kept": float(plan.expected_tokens),
-                "lr": learner.scheduler.get_last_lr()[0],
-            }
-            self.logger.log_samples(self.state.step + 1, rollouts.samples(cfg.log_samples))
-        metrics["dc/lambda"] = dual.lam
+            seconds = learned.seconds | {"sync": time.perf_counter() - start}
+            metrics |= {f"time/{name}": value for name, value in seconds.items()}
+            metrics |= self._step_metrics(rollouts, learned)
+            self.logger.log_samples(self.state.step + 1, rollouts.samples(self.config.log_samples))
+        metrics |= correction.metrics()
         self.state.step += 1
         return metrics
 
-    def _discrepancy(self, batch, plan, logp_old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """(delta [B, T] on the tokens whose logp_old the trainer computed, those tokens [B, T], mean D).
-
-        With trainer proxies that is every token and mean D is exact; with engine proxies it is the
-        kept tokens, and mean D is the unbiased estimate from them (`discrepancy_estimate`)."""
-        signal = self.config.algo.dc.signal
-        if self.config.algo.ps.proxies == "trainer":
-            delta = token_discrepancy(logp_old, batch.logp_inf, batch.mask, signal)
-            return delta, batch.mask, float(trajectory_discrepancy(delta, batch.mask).mean())
-        delta = token_discrepancy(logp_old, batch.logp_inf, plan.keep, signal)
-        return delta, plan.keep, float(discrepancy_estimate(delta, plan.weights, batch.mask).mean())
-
-    def _tolerance(self, mean_d: float) -> float:
-        """c: set once, from the first batch's mean D (`dc.relative_tolerance` x it) unless configured.
-        A non-finite first batch leaves it unset; that step's update is then non-finite and skipped."""
-        if self.state.tolerance is None and math.isfinite(mean_d):  # c relative to what this engine really does
-            self.state.tolerance = self.dual.tolerance = self.config.algo.dc.relative_tolerance * mean_d
-        return self.state.tolerance if self.state.tolerance is not None else math.nan
+    def _step_metrics(self, rollouts: Rollouts, learned: Learned) -> dict[str, float]:
+        """The discrepancy summary, the update's metrics and the plan's token counts of a step."""
+        measured, plan, update = learned.measured, learned.prepared.plan, learned.update
+        tolerance = self.learner.correction.metrics()["dc/tolerance"]
+        summary = discrepancy_summary(measured.delta, measured.seen, update.logp_old, tolerance)
+        metrics = {f"dc/{k}": float(v) for k, v in summary.items()} | {"dc/mean_D": measured.mean}
+        return metrics | update.metrics() | {
+            "ps/tokens_kept": float(plan.keep.sum()), "ps/tokens_total": float(rollouts.batch.mask.sum()),
+            "ps/expected_kept": float(plan.expected_tokens), "lr": self.learner.scheduler.get_last_lr()[0],
+        }
 
     def _count_skips(self, update: UpdateResult, rollouts: Rollouts) -> None:
         """Log the skipped updates; NonFiniteError at `optim.max_skipped_steps` steps in a row with one."""
@@ -320,12 +287,12 @@ class Trainer:
             log.warning("could not finish the run's logs: %s: %s", type(err).__name__, err)
 
     def save(self) -> Path:
-        self.state.dual, self.state.data_position = self.dual.state_dict(), self.stream.position
+        self.state.correction, self.state.data_position = self.learner.correction.state_dict(), self.stream.position
         learner = self.learner
         return save_checkpoint(
             self.run_dir, self.state.step, self.model, learner.optimizer, learner.scheduler,
             self.state.__dict__.copy(), keep_last=self.config.keep_last, tokenizer=self.tokenizer,
-            generators={"plan": learner.generator},
+            generators={"plan": learner.generator}, world=self.world,
         )
 
     def export(self, out_dir: Path, gguf_type: str = "q4_1") -> dict[str, Path]:

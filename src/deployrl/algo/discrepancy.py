@@ -11,14 +11,17 @@ trajectory (D_k), and constrained as mean_k D_k <= c through a Lagrange multipli
 (seed 000: discrepancy-constrained GRPO, black-box constraint, Lagrangian relaxation with one
 dual-ascent step per training step). delta and lambda carry no gradient.
 
-Baselines: truncated importance sampling (`tis`, weights min(exp(logp_old - logp_inf), C))
-and `mask` (weight 0 for tokens whose ratio exp(logp_old - logp_inf) lies outside [1/C, C]).
+Baselines, per-token weights [B, T] (the corrections that use them: algo/corrections.py):
+truncated importance sampling (`tis_weights`, min(exp(logp_old - logp_inf), C)), `mask_weights`
+(0 for tokens whose ratio lies outside [1/C, C]), and their sequence-level forms, whose weight is
+one per row: `seq_tis_weights` (the row's ratio prod_t exp(logp_old - logp_inf), truncated at C),
+`seq_mask_weights` (the row is dropped when that ratio leaves [1/C, C]) and `geo_mask_weights`
+(dropped when the per-token geometric mean ratio leaves [1/C, C]).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -31,23 +34,6 @@ SIGNALS: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Regist
     "discrepancy signal"
 )
 PENALTIES = ("full", "hinge")
-
-
-@dataclass(frozen=True)
-class Correction:
-    """How a mismatch correction uses the engine's log-probs.
-
-    `weights(logp_old, logp_inf, cap)` [B, T] multiply each token's loss; a `constrained`
-    correction (DC-GRPO) shapes the advantages by lambda * delta instead, and lambda follows
-    the dual step on the mean discrepancy.
-    """
-
-    weights: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    constrained: bool = False
-    cap_above: float = 0.0  # the cap C must exceed this (tis: a weight cap > 0; mask: a band [1/C, C], C > 1)
-
-
-CORRECTIONS: Registry[Correction] = Registry("mismatch correction")
 
 
 @SIGNALS.register("diff")
@@ -124,8 +110,8 @@ def dual_step(
 
 
 def check_dual_settings(tolerance: float, lr: float, lam_max: float, lam: float, lam_name: str = "lam") -> None:
-    """The bounds of a DualController's settings; `lam_name` is what the caller calls the
-    initial multiplier (DCConfig checks its fields with this too: its lam_init)."""
+    """The bounds of the dual ascent's settings; `lam_name` is what the caller calls the initial
+    multiplier (DCConfig checks its fields with this: its lam_init)."""
     check_non_negative("tolerance", tolerance)
     check_positive("lr", lr)
     check_positive("lam_max", lam_max)
@@ -133,43 +119,7 @@ def check_dual_settings(tolerance: float, lr: float, lam_max: float, lam: float,
         raise ValueError(f"{lam_name} must lie in [0, lam_max={lam_max}], got {lam}")
 
 
-@dataclass
-class DualController:
-    """The Lagrange multiplier of the constraint mean D <= tolerance, with its update rule."""
-
-    tolerance: float
-    lr: float
-    lam_max: float = 100.0
-    lam: float = 0.0
-
-    def __post_init__(self) -> None:
-        check_dual_settings(self.tolerance, self.lr, self.lam_max, self.lam)
-
-    def step(self, mean_discrepancy: float) -> float:
-        """Update lambda from this step's mean trajectory discrepancy and return it."""
-        if not math.isfinite(mean_discrepancy):
-            raise ValueError(f"mean discrepancy must be finite, got {mean_discrepancy}")
-        self.lam = dual_step(self.lam, mean_discrepancy, self.tolerance, self.lr, self.lam_max)
-        return self.lam
-
-    def state_dict(self) -> dict[str, float]:
-        return {"lam": self.lam}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        if set(state) != {"lam"}:
-            raise ValueError(f"dual state must have exactly the key 'lam', got {sorted(state)}")
-        lam = float(state["lam"])
-        if not 0 <= lam <= self.lam_max:
-            raise ValueError(f"dual state lam={lam} is outside [0, lam_max={self.lam_max}]")
-        self.lam = lam
-
-
-def unit_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
-    """Weight 1 everywhere: ignore the engine's log-probs."""
-    return torch.ones_like(logp_old)
-
-
-def tis_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
+def tis_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
     """Truncated importance weights min(exp(logp_old - logp_inf), cap), [B, T].
 
     No log-ratio bound is needed: an overflow to inf is clamped to `cap`, and the weights carry
@@ -178,59 +128,36 @@ def tis_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> t
     return torch.exp(logp_old - logp_inf).clamp(max=cap).detach()
 
 
-def mask_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float) -> torch.Tensor:
+def mask_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
     """1 where exp(logp_old - logp_inf) lies in [1/cap, cap], else 0, [B, T]; compared in
     log space (no exponential), a NaN log-ratio gets 0."""
     log_ratio = (logp_old - logp_inf).detach()
     return (log_ratio.abs() <= math.log(cap)).to(logp_old.dtype)
 
 
-CORRECTIONS.register("none")(Correction(unit_weights))
-CORRECTIONS.register("tis")(Correction(tis_weights))
-CORRECTIONS.register("mask")(Correction(mask_weights, cap_above=1.0))
-CORRECTIONS.register("dc")(Correction(unit_weights, constrained=True))
+def sequence_log_ratio(logp_old: torch.Tensor, logp_inf: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log of the sequence ratio pi_old(o) / pi_inf(o) = sum over real tokens of logp_old - logp_inf, [B]."""
+    return real_tokens_only((logp_old - logp_inf).detach(), mask).sum(dim=1)
 
 
-def correction_weights(
-    name: str, logp_old: torch.Tensor, logp_inf: torch.Tensor, cap: float = 2.0
-) -> torch.Tensor:
-    """Per-token weights [B, T] of the mismatch correction `name` (1 for none and dc)."""
-    correction = CORRECTIONS.get(name)
-    check_same_shape(logp_old=logp_old, logp_inf=logp_inf)
-    check_cap(name, cap)
-    return correction.weights(logp_old, logp_inf, cap)
+def seq_tis_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """Sequence-level truncated IS: min(pi_old(o) / pi_inf(o), cap) on every token of the row, [B, T]."""
+    return sequence_log_ratio(logp_old, logp_inf, mask).exp().clamp(max=cap)[:, None].expand_as(logp_old)
 
 
-def check_cap(name: str, cap: float) -> None:
-    """The bound of the cap C of correction `name` (`Correction.cap_above`)."""
-    bound = CORRECTIONS.get(name).cap_above
-    if not cap > bound:
-        raise ValueError(f"the cap of the {name} correction must be > {bound:g} (cap > {bound:g}), got {cap}")
+def seq_mask_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """Sequence-level masking: 1 on every token of a row whose ratio pi_old(o) / pi_inf(o) lies in
+    [1/cap, cap], 0 on the whole row otherwise (compared in log space), [B, T]."""
+    inside = sequence_log_ratio(logp_old, logp_inf, mask).abs() <= math.log(cap)
+    return inside.to(logp_old.dtype)[:, None].expand_as(logp_old)
 
 
-def apply_correction(
-    name: str,
-    advantages: torch.Tensor,
-    delta: torch.Tensor,
-    logp_old: torch.Tensor,
-    logp_inf: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    lam: float = 0.0,
-    penalty: str = "full",
-    tolerance: float = 0.0,
-    cap: float = 2.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages [B, T], weights [B, T]) under the mismatch correction `name`, both 0 on padding.
-
-    A constrained correction returns `shape_advantages(advantages, delta, ..., lam)` and weight 1;
-    the others return the advantages unchanged and their per-token weights. All inputs [B, T].
-    """
-    correction = CORRECTIONS.get(name)
-    if correction.constrained:
-        advantages = shape_advantages(advantages, delta, mask, lam, penalty, tolerance)
-    weights = correction_weights(name, logp_old, logp_inf, cap)
-    return advantages, real_tokens_only(weights, mask)
+def geo_mask_weights(logp_old: torch.Tensor, logp_inf: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """Geometric-mean masking: 1 on every token of a row whose per-token geometric mean ratio
+    exp(mean_t (logp_old - logp_inf)) lies in [1/cap, cap], else 0 on the whole row, [B, T].
+    Unlike the sequence ratio, it does not grow with the length, so one cap suits every length."""
+    mean = sequence_log_ratio(logp_old, logp_inf, mask) / mask.bool().sum(dim=1).clamp(min=1)
+    return (mean.abs() <= math.log(cap)).to(logp_old.dtype)[:, None].expand_as(logp_old)
 
 
 def _bucket_means(

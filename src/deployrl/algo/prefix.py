@@ -92,6 +92,17 @@ class CutoffStrategy:
     token_weights: Optional[Callable[[Mapping[str, torch.Tensor], int], torch.Tensor]] = None
     independent_tokens: bool = False  # True: Bernoulli per token (S-GRPO), not a prefix
 
+    @property
+    def budgeted(self) -> bool:
+        """Whether the law cuts anything (its budget binds), unlike ``full``."""
+        return self.shape is not None
+
+    @property
+    def uses_uncertainty(self) -> bool:
+        """Whether its token weights include the reward uncertainty u (from the top tokens of each
+        sampled distribution, when the engine reports them)."""
+        return "uncertainty" in self.proxies
+
 
 STRATEGIES: Registry[CutoffStrategy] = Registry("cutoff strategy")
 STRATEGIES.register("full")(CutoffStrategy(shape=None))

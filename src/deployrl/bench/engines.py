@@ -33,30 +33,38 @@ import torch
 from deployrl.algo._checks import check_non_negative, check_positive
 from deployrl.bench.measure import timed
 from deployrl.configcli import CommandLine, Flag
-from deployrl.engines import LORA_SERVING, parse_engine_spec, serves_lora
+from deployrl.configdoc import setting
+from deployrl.engines import (
+    ENGINES, LoraServing, engine_help, engine_kind, lora_serving_help, parse_engine_spec, serves_lora,
+)
 from deployrl.engines.base import SamplingParams
-from deployrl.registry import unknown_name_error
 
 
 @dataclass(frozen=True)
 class EnginesBenchConfig:
-    engine: str = "llamacpp:q4_1"  # a llamacpp engine spec
-    compare: tuple[str, ...] = ()  # engine specs to compare instead (any kind)
-    prompts: int = 4  # prompts of the default task per call
-    k: tuple[int, ...] = (1, 4, 8, 16)  # completions per prompt
-    tokens: tuple[int, ...] = (32, 256)  # max new tokens
-    parallel: int = 32  # completions decoded together when batched
-    threads: Optional[int] = None  # llama.cpp threads, vLLM's bound cores; None: every CPU
-    repeats: int = 2  # alternating runs of each path
-    lora_rank: int = 0  # with compare: LoRA adapters of this rank on the model; 0: none
-    lora_serving: tuple[str, ...] = ("adapter", "merged")  # with lora_rank: each way an engine holds them
-    json: Optional[str] = None  # also write the numbers here
+    """`deployrl bench engines`: one engine one completion at a time against batched, or several side by side."""
+
+    engine: str = setting("llamacpp:q4_1", lambda: "the engine timed one completion at a time against batched (a"
+                          f" {' or '.join(_rebatching())} engine), {engine_help()}")
+    compare: tuple[str, ...] = setting((), lambda: "engine specs to compare side by side instead, e.g."
+                                       f" llamacpp:q4_1,hf:bf16; each {engine_help()}")
+    prompts: int = setting(4, "prompts of the default task per call")
+    k: tuple[int, ...] = setting((1, 4, 8, 16), "completions per prompt, e.g. 1,4,8")
+    tokens: tuple[int, ...] = setting((32, 256), "max new tokens, e.g. 32,256")
+    parallel: int = setting(32, "completions decoded together when batched")
+    threads: Optional[int] = setting(None, "llama.cpp threads, vLLM's bound cores; None: every CPU")
+    repeats: int = setting(2, "alternating runs of each path")
+    lora_rank: int = setting(0, "with compare: LoRA adapters of this rank on the model; 0: none")
+    lora_serving: tuple[str, ...] = setting(tuple(LoraServing.names()), lambda: "with lora_rank: each way an engine"
+                                            f" holds them, of {lora_serving_help()}")
+    json: Optional[str] = setting(None, "also write the numbers to this path")
 
     def __post_init__(self) -> None:
         for spec in self.compare:
             parse_engine_spec(spec)
-        if not self.compare and parse_engine_spec(self.engine)[0] != "llamacpp":
-            raise ValueError(f"engine must be a llamacpp engine, got {self.engine!r}")
+        if not self.compare and not engine_kind(self.engine).rebatches:
+            raise ValueError(f"engine must be a {' or '.join(_rebatching())} engine (its batch width changes between"
+                             f" calls), got {self.engine!r}")
         for name in ("k", "tokens"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must list positive integers, got {list(getattr(self, name))}")
@@ -66,8 +74,7 @@ class EnginesBenchConfig:
             check_positive("threads", self.threads)
         check_non_negative("lora_rank", self.lora_rank)
         for serving in self.lora_serving:
-            if serving not in LORA_SERVING:
-                raise unknown_name_error("lora serving", serving, list(LORA_SERVING))
+            LoraServing.get("lora serving", serving)
         if self.lora_rank and not self.compare:
             raise ValueError("lora_rank applies to --compare: name the engines to compare")
 
@@ -75,24 +82,29 @@ class EnginesBenchConfig:
         """(label, engine spec, lora serving) of each compared engine: one per serving way with
         adapters that the engine can hold (merged: vllm), else one."""
         if not self.lora_rank:
-            return [(spec, spec, "adapter") for spec in self.compare]
+            return [(spec, spec, LoraServing.ADAPTER.value) for spec in self.compare]
         return [(f"{spec}/{serving}", spec, serving) for spec in self.compare for serving in self.lora_serving
                 if serves_lora(spec, serving)]
 
 
 FLAGS = (
-    Flag("--engine", "engine", "a llamacpp engine spec"),
-    Flag("--compare", "compare", "engine specs to compare side by side, e.g. llamacpp:q4_1,vllm:bf16", many=True),
-    Flag("--prompts", "prompts", "prompts of the default task per call"),
-    Flag("-k", "k", "completions per prompt, e.g. 1,4,8", many=True),
-    Flag("--tokens", "tokens", "max new tokens, e.g. 32,256", many=True),
-    Flag("--parallel", "parallel", "completions decoded together when batched"),
-    Flag("--threads", "threads", "llama.cpp threads, vLLM's bound cores (None: every CPU)"),
-    Flag("--repeats", "repeats", "alternating runs of each path"),
-    Flag("--lora-rank", "lora_rank", "with --compare: LoRA adapters of this rank on the model (0: none)"),
-    Flag("--lora-serving", "lora_serving", "with --lora-rank: adapter (beside the base), merged (vllm only)", many=True),
-    Flag("--json", "json", "also write the numbers to this path"),
+    Flag("--engine", "engine"),
+    Flag("--compare", "compare", many=True),
+    Flag("--prompts", "prompts"),
+    Flag("-k", "k", many=True),
+    Flag("--tokens", "tokens", many=True),
+    Flag("--parallel", "parallel"),
+    Flag("--threads", "threads"),
+    Flag("--repeats", "repeats"),
+    Flag("--lora-rank", "lora_rank"),
+    Flag("--lora-serving", "lora_serving", many=True),
+    Flag("--json", "json"),
 )
+
+
+def _rebatching() -> list[str]:
+    """The engine kinds whose batch width may change between calls (the sequential-vs-batched comparison)."""
+    return [name for name in ENGINES if ENGINES.get(name).rebatches]
 
 
 def agreement(one, batched) -> tuple[float, float]:
@@ -118,7 +130,7 @@ def take_turns(samplers: dict[str, Callable], config: EnginesBenchConfig) -> Ite
             for _ in range(config.repeats):
                 for name, sample in samplers.items():
                     batches[name] = sample(params)
-                    speeds[name].append(batches[name].timing["tokens_per_s"])
+                    speeds[name].append(batches[name].timing.tokens_per_s)
             yield max_new, k, {name: median(values) for name, values in speeds.items()}, batches
 
 

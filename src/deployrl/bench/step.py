@@ -50,6 +50,7 @@ import torch
 from deployrl.algo._checks import check_positive
 from deployrl.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
 from deployrl.configcli import CommandLine, Flag
+from deployrl.configdoc import setting
 from deployrl.registry import unknown_name_error
 
 # full fine-tuning, as TRL's GRPOTrainer without a peft_config
@@ -65,7 +66,6 @@ TRL_LOSS_TYPES = {"token_mean": "dapo", "seq_mean_token_mean": "grpo", "seq_mean
 # deployrl's advantage estimator -> TRL's reward scaling (TRL has no leave-one-out baseline)
 # TRL's "group" scaling divides by the sample std (grpo_unbiased_std); grpo's population std differs by sqrt(K/(K-1))
 TRL_REWARD_SCALING = {"grpo": "group", "grpo_unbiased_std": "group", "dr_grpo": "none"}
-TRL_SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr"}
 MB = 2**20
 
 
@@ -102,8 +102,8 @@ def trl_settings(config, completions_per_micro_batch: int) -> dict[str, Any]:
         "temperature": rollout.temperature, "top_p": rollout.top_p, "top_k": rollout.top_k,
         "learning_rate": optim.lr, "adam_beta1": optim.beta1, "adam_beta2": optim.beta2,
         "weight_decay": optim.weight_decay, "max_grad_norm": optim.grad_clip, "warmup_steps": optim.warmup_steps,
-        "lr_scheduler_type": TRL_SCHEDULES[optim.schedule],
-        "lr_scheduler_kwargs": {"min_lr_rate": optim.min_lr_ratio} if optim.schedule == "cosine" else None,
+        "lr_scheduler_type": "cosine_with_min_lr" if optim.decays else "constant_with_warmup",
+        "lr_scheduler_kwargs": {"min_lr_rate": optim.min_lr_ratio} if optim.decays else None,
         "beta": algo.kl_coef, "num_iterations": 1, "epsilon": algo.eps_low, "epsilon_high": algo.eps_high,
         "loss_type": TRL_LOSS_TYPES[algo.aggregation], "scale_rewards": TRL_REWARD_SCALING[algo.advantage],
         "seed": config.seed,
@@ -309,17 +309,16 @@ def summarise(result: dict[str, Any]) -> dict[str, float]:
 class StepBenchConfig:
     """The benchmark's own settings; the training settings are overrides of the embedded default."""
 
-    steps: int = 3  # training steps per configuration; the first is a warm-up when there are more
-    vs: Optional[str] = None  # trl: also run TRL's GRPOTrainer (pip install trl)
-    threads: Optional[int] = None  # torch (and llama.cpp) threads in every configuration; None: torch's default
-    model: str = "smollm2-135m"  # the smollm2-135m alias, a .gguf file or an HF folder
-    # where a GGUF model is dequantised to an fp32 HF folder, once (None: $XDG_CACHE_HOME/deployrl/bench
-    # or ~/.cache/deployrl/bench)
-    cache_dir: Optional[str] = None
-    # TRL completions per forward/backward (gradient accumulation makes up one step of all
-    # completions); 16 is about deployrl's 2048-token micro-batch at 32 new tokens
-    trl_micro_batch: int = 16
-    json: Optional[str] = None  # also write the raw numbers here
+    steps: int = setting(3, "training steps per configuration; the first is a warm-up when there are more")
+    vs: Optional[str] = setting(None, "trl: also run TRL's GRPOTrainer (pip install trl)")
+    threads: Optional[int] = setting(None, "torch (and llama.cpp) threads in every configuration; None: torch's default")
+    model: str = setting("smollm2-135m", "the smollm2-135m alias, a .gguf file or an HF folder")
+    cache_dir: Optional[str] = setting(None, "where a GGUF model is dequantised to an fp32 HF folder, once (None:"
+                                             " $XDG_CACHE_HOME/deployrl/bench or ~/.cache/deployrl/bench)")
+    trl_micro_batch: int = setting(16, "TRL completions per forward/backward (gradient accumulation makes up one step"
+                                       " of all completions); 16 is about deployrl's 2048-token micro-batch at 32 new"
+                                       " tokens")
+    json: Optional[str] = setting(None, "also write the raw numbers to this path")
 
     def __post_init__(self) -> None:
         check_positive("steps", self.steps)
@@ -331,15 +330,13 @@ class StepBenchConfig:
 
 
 FLAGS = (
-    Flag("--steps", "steps", "training steps per configuration; the first is a warm-up when there are more"),
-    Flag("--vs", "vs", "trl: also run TRL's GRPOTrainer (pip install trl)"),
-    Flag("--threads", "threads", "torch (and llama.cpp) threads in every configuration"),
-    Flag("--model", "model", "the smollm2-135m alias, a .gguf file or an HF folder"),
-    Flag("--cache-dir", "cache_dir", "where a GGUF model is dequantised to an fp32 HF folder, once"
-         " (None: $XDG_CACHE_HOME/deployrl/bench or ~/.cache/deployrl/bench)"),
-    Flag("--trl-micro-batch", "trl_micro_batch", "TRL completions per forward/backward (gradient accumulation makes"
-         " up one step of all completions); 16 is about deployrl's 2048-token micro-batch at 32 new tokens"),
-    Flag("--json", "json", "also write the raw numbers to this path"),
+    Flag("--steps", "steps"),
+    Flag("--vs", "vs"),
+    Flag("--threads", "threads"),
+    Flag("--model", "model"),
+    Flag("--cache-dir", "cache_dir"),
+    Flag("--trl-micro-batch", "trl_micro_batch"),
+    Flag("--json", "json"),
 )
 
 

@@ -54,6 +54,7 @@ from deployrl.algo._checks import check_non_negative, check_positive
 from deployrl.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
 from deployrl.config import TrainConfig
 from deployrl.configcli import CommandLine, Flag
+from deployrl.configdoc import key_help, setting
 from deployrl.configio import build, nest
 from deployrl.registry import unknown_name_error
 
@@ -89,13 +90,14 @@ REFERENCE = "grpo"  # ratios are taken to full-trajectory GRPO
 class Settings:
     """What every measurement shares (besides the model and T_max)."""
 
-    budget: float = 128.0  # B: expected backpropagated tokens per completion
-    groups: int = 1  # prompt groups in the batch
-    group_size: int = 4  # K: completions per prompt
-    prompt_tokens: int = 64
-    micro_batch_tokens: int = 2048  # the trainer's default
-    seed: int = 0
-    threads: int | None = None  # torch threads; None: torch's default
+    budget: float = setting(128.0, "PS-PPO / S-GRPO token budget B: expected backpropagated tokens per completion")
+    groups: int = setting(1, "prompt groups in the batch")
+    group_size: int = setting(4, "completions per prompt (K)")
+    prompt_tokens: int = setting(64, "tokens of each (random) prompt")
+    micro_batch_tokens: int = setting(2048, lambda: f"{key_help(TrainConfig, 'algo.micro_batch_tokens')}"
+                                                    " (algo.micro_batch_tokens)")
+    seed: int = setting(0, "seed of the synthetic batch; the cutoff draws use seed + repeat")
+    threads: int | None = setting(None, "torch threads per measurement; None: torch's default")
 
     def xi_min(self, t_max: int) -> float:
         """The trainer's default floor 0.02, lowered so that it spends at most half the budget.
@@ -256,22 +258,20 @@ def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any
         trainer = Trainer(config)
         rollouts = synthetic_rollouts(trainer.task.examples, trainer.model.config.vocab_size, t_max, s)
         batch, learner = rollouts.batch, trainer.learner
-        view = trainer_view(batch.semantics, config.rollout.sampling(seed=0))  # as Trainer.learn
+        view = trainer_view(batch.semantics, config.rollout.sampling(seed=0))
         warm_up(trainer, rollouts)
         release_freed_memory()
-        with PeakMemory() as memory:  # the stages of Trainer.learn before the weight sync
+        with PeakMemory() as memory:  # Trainer.learn's learn phase, everything before the weight sync
             start = time.perf_counter()
-            plan, old, seconds = learner.prepare(rollouts, view, tolerance_known=True)
-            after_prepare = time.perf_counter()
-            update = learner.update(rollouts, plan, view, trainer.dual.lam, trainer.dual.tolerance, old)
+            learned = learner.learn(rollouts, view)
             end = time.perf_counter()
         trainer.logger.close()
     prompts = settings["prompt_tokens"] * settings["groups"]
-    covered = plan.cutoffs if config.algo.ps.proxies == "engine" else batch.mask.sum(dim=1)  # the no-grad pass's extent
-    old_tokens = 0 if old is None else int(covered.sum()) + prompts
+    plan, update, seconds = learned.prepared.plan, learned.update, learned.seconds
+    old_tokens = 0 if learned.prepared.old is None else int(learned.prepared.known.sum()) + prompts  # its extent
     return {
         "method": method, "t_max": t_max, "repeat": repeat, "seconds": end - start, "old_pass_s": seconds["old_pass"],
-        "plan_s": after_prepare - start - seconds["old_pass"], "graded_s": end - after_prepare - update.optimizer_s,
+        "plan_s": seconds["plan"], "measure_s": seconds["measure"], "graded_s": seconds["update"] - update.optimizer_s,
         "optimizer_s": update.optimizer_s, "peak_bytes": memory.peak, "old_pass_tokens": old_tokens,
         "tokens_graded": update.tokens_graded, "tokens_expected": float(plan.expected_tokens),
         "tokens_total": float(batch.mask.sum()),
@@ -340,15 +340,15 @@ HEADERS = [
 class UpdateBenchConfig(Settings):
     """`deployrl bench update`: the shared Settings, plus which measurements and how."""
 
-    model: str = "smollm2-135m"  # model spec (alias, HF directory or .gguf file)
-    layers: int = 4  # keep the first N decoder layers (0: all)
-    t_max: tuple[int, ...] = T_MAX  # longest completion lengths
-    methods: tuple[str, ...] = tuple(METHODS)  # ratios need REFERENCE
-    repeats: int = 3  # measurements per (method, T_max); medians are shown
-    json: Optional[str] = None  # write settings and every raw measurement here
-    # measure in this process instead of a fresh one each time: quicker, but one measurement's
-    # freed memory can hide the next one's peak (for smoke tests)
-    same_process: bool = False
+    model: str = setting("smollm2-135m", "model spec (alias, HF directory or .gguf file)")
+    layers: int = setting(4, "keep the first N decoder layers (0: all)")
+    t_max: tuple[int, ...] = setting(T_MAX, "longest completion lengths")
+    methods: tuple[str, ...] = setting(tuple(METHODS), f"methods to measure, from: {', '.join(METHODS)} (ratios need"
+                                                       f" {REFERENCE})")
+    repeats: int = setting(3, "measurements per (method, T_max); medians are shown")
+    json: Optional[str] = setting(None, "write settings and every raw measurement here")
+    same_process: bool = setting(False, "measure in this process instead of a fresh one each time: quicker, but one"
+                                        " measurement's freed memory can hide the next one's peak (for smoke tests)")
 
     def __post_init__(self) -> None:
         check_non_negative("layers", self.layers)
@@ -371,22 +371,20 @@ class UpdateBenchConfig(Settings):
 
 
 FLAGS = (
-    Flag("--model", "model", "model spec (alias, HF directory or .gguf file)"),
-    Flag("--layers", "layers", "keep the first N decoder layers (0: all)"),
-    Flag("--t-max", "t_max", "longest completion lengths", many=True),
-    Flag("--methods", "methods", f"methods to measure, from: {', '.join(METHODS)} (ratios need {REFERENCE})", many=True),
-    Flag("--budget", "budget", "PS-PPO / S-GRPO token budget B per completion"),
-    Flag("--groups", "groups", "prompt groups in the batch"),
-    Flag("--group-size", "group_size", "completions per prompt (K)"),
-    Flag("--prompt-tokens", "prompt_tokens", "tokens of each (random) prompt"),
-    Flag("--micro-batch-tokens", "micro_batch_tokens",
-         "kept tokens + each group's prompt once, per forward/backward (algo.micro_batch_tokens)"),
-    Flag("--repeats", "repeats", "measurements per (method, T_max); medians are shown"),
-    Flag("--threads", "threads", "torch threads per measurement; None: torch's default"),
-    Flag("--seed", "seed", "seed of the synthetic batch; the cutoff draws use seed + repeat"),
-    Flag("--json", "json", "write settings and every raw measurement here"),
-    Flag("--same-process", "same_process", "measure in this process instead of a fresh one each time: quicker, but"
-         " one measurement's freed memory can hide the next one's peak (for smoke tests)", const=True),
+    Flag("--model", "model"),
+    Flag("--layers", "layers"),
+    Flag("--t-max", "t_max", many=True),
+    Flag("--methods", "methods", many=True),
+    Flag("--budget", "budget"),
+    Flag("--groups", "groups"),
+    Flag("--group-size", "group_size"),
+    Flag("--prompt-tokens", "prompt_tokens"),
+    Flag("--micro-batch-tokens", "micro_batch_tokens"),
+    Flag("--repeats", "repeats"),
+    Flag("--threads", "threads"),
+    Flag("--seed", "seed"),
+    Flag("--json", "json"),
+    Flag("--same-process", "same_process", const=True),
 )
 
 

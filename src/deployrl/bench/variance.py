@@ -43,11 +43,12 @@ from typing import Optional
 import torch
 
 from deployrl.algo.logprobs import SamplingView, processed_logits
-from deployrl.algo.losses import batch_denominator, policy_loss
+from deployrl.algo.losses import batch_denominator
 from deployrl.algo.prefix import STRATEGIES, cutoff_law, engine_proxies, law_weights, sample_plan
 from deployrl.algo._checks import check_positive
 from deployrl.bench.measure import cpu_name, table
 from deployrl.configcli import CommandLine, Flag
+from deployrl.configdoc import setting
 from deployrl.configio import ConfigError, split_config_items
 from deployrl.registry import unknown_name_error
 
@@ -122,16 +123,12 @@ def draw_errors(gram: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor
 
 def loss_coefficients(trainer, rollouts, old) -> torch.Tensor:
     """a [B, T] = d loss / d logp_t at the sampling policy, for the trainer's own loss."""
-    algo, mask = trainer.config.algo, rollouts.batch.mask
-    every = torch.arange(mask.shape[0])
-    advantages, weights = trainer.learner.token_terms(rollouts, every, old.logp, mask, trainer.dual.lam,
-                                                      trainer.dual.tolerance)
+    learner, mask = trainer.learner, rollouts.batch.mask
+    advantages, weights = learner.correction.token_terms(
+        learner.group_advantages(rollouts), old.logp, rollouts.batch.logp_inf, mask.bool())
     logp = old.logp.clone().requires_grad_(True)
-    out = policy_loss(
-        logp, old.logp, advantages, mask, weights, eps_low=algo.eps_low, eps_high=algo.eps_high,
-        dual_clip=algo.dual_clip, aggregation=algo.aggregation, max_length=trainer.config.rollout.max_new_tokens,
-        denominator=batch_denominator(algo.aggregation, mask),
-    )
+    out = learner.loss(logp, old.logp, advantages, mask, weights,
+                       denominator=batch_denominator(trainer.config.algo.aggregation, mask))
     (grad,) = torch.autograd.grad(out.loss, logp)
     return grad
 
@@ -164,9 +161,10 @@ def law_inputs(strategies, top_m, rollouts, old, metric: str) -> list[tuple[str,
         if not source:
             laws.append((name, strategy, old.proxies()))
             continue
-        for m in top_m if strategy == "optimized" else top_m[-1:]:
+        sweep = STRATEGIES.get(strategy).uses_uncertainty  # u is made of the top m tokens
+        for m in top_m if sweep else top_m[-1:]:
             stats = batch.stats | {key: batch.stats[key][..., :m] for key in ("top_ids", "top_logp")}
-            label = f"{name} m={m}" if strategy == "optimized" else name
+            label = f"{name} m={m}" if sweep else name
             laws.append((label, strategy, engine_proxies(batch.logp_inf, stats, batch.mask, success, metric)))
     return laws
 
@@ -245,14 +243,15 @@ def report(numbers: dict, budgets) -> str:
 class VarianceBenchConfig:
     """The benchmark's own settings; the run's are a `deployrl train` config and overrides."""
 
-    budgets: tuple[int, ...] = BUDGETS  # token budgets B per completion
-    strategies: tuple[str, ...] = SAMPLED
-    groups: int = 4  # prompt groups with unequal rewards to gather
-    max_rounds: int = 8  # sampling steps at most to gather them
-    draws: int = 512  # cutoff draws per strategy and budget
-    top_m: tuple[int, ...] = TOP_M  # m of the :engine laws' top-m distributions (optimized: one row each)
-    seed: int = 0
-    json: Optional[str] = None  # also write every number as JSON here
+    budgets: tuple[int, ...] = setting(BUDGETS, "token budgets B per completion")
+    strategies: tuple[str, ...] = setting(SAMPLED, f"cutoff strategies, from: {', '.join(SAMPLED)}")
+    groups: int = setting(4, "prompt groups with unequal rewards to gather")
+    max_rounds: int = setting(8, "sampling steps at most to gather them")
+    draws: int = setting(512, "cutoff draws per strategy and budget")
+    top_m: tuple[int, ...] = setting(TOP_M, "m of the :engine laws' top-m distributions (optimized:engine gets one"
+                                            " row per m)")
+    seed: int = setting(0, "seed of the cutoff draws")
+    json: Optional[str] = setting(None, "also write every number as JSON to this path")
 
     def __post_init__(self) -> None:
         for budget in self.budgets:
@@ -269,15 +268,14 @@ class VarianceBenchConfig:
 
 
 FLAGS = (
-    Flag("--budgets", "budgets", "token budgets B per completion", many=True),
-    Flag("--strategies", "strategies", f"cutoff strategies, from: {', '.join(SAMPLED)}", many=True),
-    Flag("--groups", "groups", "prompt groups with unequal rewards to gather"),
-    Flag("--max-rounds", "max_rounds", "sampling steps at most to gather them"),
-    Flag("--draws", "draws", "cutoff draws per strategy and budget"),
-    Flag("--top-m", "top_m", "m of the :engine laws' top-m distributions (optimized:engine gets one row per m)",
-         many=True),
+    Flag("--budgets", "budgets", many=True),
+    Flag("--strategies", "strategies", many=True),
+    Flag("--groups", "groups"),
+    Flag("--max-rounds", "max_rounds"),
+    Flag("--draws", "draws"),
+    Flag("--top-m", "top_m", many=True),
     Flag("--seed", "seed"),
-    Flag("--json", "json", "also write every number as JSON"),
+    Flag("--json", "json"),
 )
 
 

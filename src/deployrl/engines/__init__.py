@@ -1,7 +1,10 @@
 """Rollout engines, by name: `hf:<precision>`, `llamacpp:<file type>` and `vllm:<dtype or quantisation>`.
 
 An engine spec is ``kind:option``; both parts are checked by `parse_engine_spec` before any
-model loads, and `make_engine` builds the engine from the trainer's model.
+model loads, and `make_engine` builds the engine from the trainer's model. Each kind is
+registered once in `ENGINES` with what it is (`EngineKind`): its options, its help, the model
+file it needs, the ways it holds LoRA adapters. Settings, commands and docs ask the registry
+(`engine_kind`, `engine_help`, `check_model_file`) instead of naming a kind.
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, trainer_view
+from torch import nn
+
+from deployrl.engines.base import LoraServing, RolloutBatch, RolloutEngine, SamplingParams, Timing, trainer_view
 from deployrl.engines.gguf_io import FILE_TYPES
 from deployrl.engines.hf import PRECISIONS
 from deployrl.engines.vllm_engine import OPTIONS as VLLM_OPTIONS
@@ -17,61 +22,125 @@ from deployrl.models import ModelSource, unwrapped
 from deployrl.registry import Registry, unknown_name_error
 
 __all__ = [
-    "ENGINES", "LORA_SERVING", "RolloutBatch", "RolloutEngine", "SamplingParams", "make_engine", "parse_engine_spec",
+    "ENGINES", "EngineKind", "EngineSettings", "LoraServing", "RolloutBatch", "RolloutEngine", "SamplingParams",
+    "Timing", "check_model_file", "engine_help", "engine_kind", "lora_serving_help", "make_engine", "parse_engine_spec",
     "serves_lora", "trainer_view",
 ]
+DEFAULT_CONTEXT = 2048  # llamacpp and vllm contexts when none is set
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine is built with besides the trainer's model."""
+
+    option: str  # the spec's option: a precision, a GGUF file type, a vLLM dtype or quantisation
+    source: ModelSource  # where the model was loaded from (llamacpp: its GGUF is the template)
+    eos_token_ids: tuple[int, ...]
+    context_length: Optional[int] = None  # prompt + completion; None: the model's (hf), else DEFAULT_CONTEXT
+    threads: Optional[int] = None  # llamacpp: decode threads; vllm: the CPU cores it binds; None: every CPU
+    parallel: int = 32  # llamacpp, vllm: completions decoded together (hf: all of them, always)
+    lora_serving: str = LoraServing.ADAPTER.value  # how it holds the model's LoRA adapters (LoraServing)
 
 
 @dataclass(frozen=True)
 class EngineKind:
-    options: tuple[str, ...]
-    default: str
-    build: Callable[..., RolloutEngine]
-    lora_servings: tuple[str, ...] = ("adapter",)  # the LORA_SERVING ways it can hold a model's adapters
+    """One kind of engine, as the settings, commands and docs see it."""
+
+    help: str  # what samples, for --help and docs/settings.md
+    options: tuple[str, ...]  # the spec's options (after the colon)
+    default: str  # the option of a bare kind
+    build: Callable[[nn.Module, EngineSettings], RolloutEngine]
+    # it writes the trainer's weights into a GGUF shaped like the model's own (tokenizer, metadata):
+    # the model must be a .gguf file or the alias of one
+    needs_gguf: bool = False
+    rebatches: bool = False  # its `parallel` may change between calls (bench engines: one at a time vs batched)
+    lora_servings: tuple[LoraServing, ...] = (LoraServing.ADAPTER,)  # the ways it can hold a model's adapters
+
+    def described(self, name: str) -> str:
+        """'name:{option,...} (help)', as every command's help lists it."""
+        return f"{name}:{{{','.join(self.options)}}} ({self.help})"
 
 
-def _build_hf(option, model, source, eos_token_ids, context_length, threads, parallel, lora_serving):
+def _build_hf(model: nn.Module, settings: EngineSettings) -> RolloutEngine:
     from deployrl.engines.hf import HFEngine
 
-    return HFEngine(model, option, eos_token_ids, context_length)
+    return HFEngine(model, settings.option, list(settings.eos_token_ids), settings.context_length)
 
 
-def _build_llamacpp(option, model, source: ModelSource, eos_token_ids, context_length, threads, parallel, lora_serving):
+def _build_llamacpp(model: nn.Module, settings: EngineSettings) -> RolloutEngine:
     from deployrl.engines.llamacpp import LlamaCppEngine
     from deployrl.lora import adapter_scales
 
-    if source.gguf_path is None:
-        raise ValueError(
-            "the llamacpp engine writes the trainer's weights into a GGUF shaped like the model's own"
-            " GGUF file (tokenizer, metadata): load the model from a .gguf file or the smollm2-135m alias"
-        )
+    template = settings.source.gguf_path
+    check_model_file(f"llamacpp:{settings.option}", settings.source.location, template is not None)
     return LlamaCppEngine(
-        model.state_dict(), model.config, source.gguf_path, option, eos_token_ids, n_ctx=context_length or 2048,
-        threads=threads, parallel=parallel, adapter_scales=adapter_scales(model),
+        model.state_dict(), model.config, template, settings.option, list(settings.eos_token_ids),
+        n_ctx=settings.context_length or DEFAULT_CONTEXT, threads=settings.threads, parallel=settings.parallel,
+        adapter_scales=adapter_scales(model),
     )
 
 
-def _build_vllm(option, model, source, eos_token_ids, context_length, threads, parallel, lora_serving):
+def _build_vllm(model: nn.Module, settings: EngineSettings) -> RolloutEngine:
     from deployrl.engines.vllm_engine import VLLMEngine
     from deployrl.lora import adapter_scales
 
     return VLLMEngine(
-        model.state_dict(), model.config, type(unwrapped(model)).__name__, option, eos_token_ids,
-        context_length=context_length or 2048,
-        parallel=parallel, threads=threads, adapter_scales=adapter_scales(model), lora_serving=lora_serving,
+        model.state_dict(), model.config, type(unwrapped(model)).__name__, settings.option,
+        list(settings.eos_token_ids), context_length=settings.context_length or DEFAULT_CONTEXT,
+        parallel=settings.parallel, threads=settings.threads, adapter_scales=adapter_scales(model),
+        lora_serving=settings.lora_serving,
     )
 
 
-LORA_SERVING = ("adapter", "merged")  # a model's LoRA adapters: beside the base, or folded into it
 ENGINES: Registry[EngineKind] = Registry("engine")
-ENGINES.register("hf")(EngineKind(tuple(PRECISIONS), "bf16", _build_hf))
-ENGINES.register("llamacpp")(EngineKind(tuple(FILE_TYPES), "q4_1", _build_llamacpp))
-ENGINES.register("vllm")(EngineKind(tuple(VLLM_OPTIONS), "bf16", _build_vllm, lora_servings=LORA_SERVING))
+ENGINES.register("hf")(EngineKind(
+    "PyTorch on a copy of the trainer's model in that precision; fp8: float8 weights, one scale per output channel",
+    tuple(PRECISIONS), "bf16", _build_hf,
+))
+ENGINES.register("llamacpp")(EngineKind(
+    "llama.cpp on a GGUF of that file type written from the trainer's weights; the model must be a GGUF",
+    tuple(FILE_TYPES), "q4_1", _build_llamacpp, needs_gguf=True, rebatches=True,
+))
+ENGINES.register("vllm")(EngineKind(
+    "vLLM in the trainer's process, computing in that dtype or with its online FP8 weight quantisation",
+    tuple(VLLM_OPTIONS), "bf16", _build_vllm, lora_servings=tuple(LoraServing),
+))
+
+
+def engine_kind(spec: str) -> EngineKind:
+    """The registry entry of engine `spec` (checked)."""
+    return ENGINES.get(parse_engine_spec(spec)[0])
+
+
+def engine_help() -> str:
+    """What every setting that takes an engine spec says of it: each kind with its options."""
+    return "kind:option, one of " + "; ".join(ENGINES.get(name).described(name) for name in ENGINES)
+
+
+def lora_serving_help() -> str:
+    """What the lora_serving settings say of it: each way with the engines that take it."""
+    def takers(way: LoraServing) -> str:
+        return ", ".join(name for name in ENGINES if way in ENGINES.get(name).lora_servings)
+
+    return ", ".join(f"{way.value} ({way.help}; engines {takers(way)})" for way in LoraServing)
+
+
+def check_model_file(spec: str, model: str, has_gguf: bool, engine_key: str = "engine",
+                     model_key: str = "model") -> None:
+    """Refuse model `model` (`has_gguf`: a .gguf file or the alias of one) for engine `spec` if
+    the engine needs a GGUF; `engine_key` and `model_key` name the two settings in the message."""
+    if engine_kind(spec).needs_gguf and not has_gguf:
+        other = next(name for name in ENGINES if not ENGINES.get(name).needs_gguf)
+        raise ValueError(
+            f"{engine_key}={spec} needs a GGUF model: it writes the trainer's weights into a GGUF shaped like the"
+            f" model's own (tokenizer, metadata), so {model_key} must be a .gguf file or the alias of one, got"
+            f" {model!r}; for a Hugging Face model use {engine_key}={other}:{ENGINES.get(other).default}"
+        )
 
 
 def serves_lora(spec: str, serving: str) -> bool:
-    """Whether engine `spec` can hold a model's LoRA adapters the `serving` way (a LORA_SERVING name)."""
-    return serving in ENGINES.get(parse_engine_spec(spec)[0]).lora_servings
+    """Whether engine `spec` can hold a model's LoRA adapters the `serving` way (a LoraServing name)."""
+    return LoraServing.get("lora serving", serving) in engine_kind(spec).lora_servings
 
 
 def parse_engine_spec(spec: str) -> tuple[str, str]:
@@ -92,12 +161,10 @@ def make_engine(
     context_length: Optional[int] = None,
     threads: Optional[int] = None,
     parallel: int = 32,
-    lora_serving: str = "adapter",
+    lora_serving: str = LoraServing.ADAPTER.value,
 ) -> RolloutEngine:
-    """Build the engine `spec` from the trainer's model (its own copy of the weights).
-
-    `threads` (None: every CPU) and `parallel` (completions decoded together) apply to llamacpp
-    and vllm; the hf engine decodes all completions together on torch's threads. `lora_serving`
-    (`RolloutConfig`'s): a model's LoRA adapters served beside the base, or merged into it (vllm)."""
+    """Build the engine `spec` from the trainer's model (its own copy of the weights); the other
+    arguments are `EngineSettings`'."""
     kind_name, option = parse_engine_spec(spec)
-    return ENGINES.get(kind_name).build(option, model, source, eos_token_ids, context_length, threads, parallel, lora_serving)
+    settings = EngineSettings(option, source, tuple(eos_token_ids), context_length, threads, parallel, lora_serving)
+    return ENGINES.get(kind_name).build(model, settings)

@@ -14,6 +14,7 @@ the same thing; comparing a processed log-prob with a raw one is a fake discrepa
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -21,11 +22,43 @@ import torch
 from torch import nn
 
 from deployrl.algo.logprobs import RAW, SamplingView
-from deployrl.registry import unknown_name_error
+from deployrl.registry import Choice, unknown_name_error
 
 SEMANTICS = ("processed", "raw")
 FINISH_REASONS = ("stop", "length")
 LOGP_SLACK = 1e-3  # log-probabilities above this are not rounding error but a broken engine
+
+
+class LoraServing(Choice):
+    """How an engine holds a model's LoRA adapters (`rollout.lora_serving`)."""
+
+    ADAPTER = "adapter", "served beside the frozen base, as deployed adapters run (vLLM: LoRA requests)"
+    MERGED = "merged", "folded into the base at every sync, then quantised with it"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The wall time of an engine's generation and the tokens it sampled; timings add up."""
+
+    generate_s: float = 0.0
+    tokens: float = 0.0
+
+    @classmethod
+    def since(cls, start: float, tokens: int) -> "Timing":
+        """The timing of a generation that began at `time.perf_counter()` value `start`."""
+        return cls(time.perf_counter() - start, float(tokens))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.generate_s, 1e-9)
+
+    def __add__(self, other: "Timing") -> "Timing":
+        return Timing(self.generate_s + other.generate_s, self.tokens + other.tokens)
+
+
+# seed * SEED_STRIDE + offset: the seed of one step (offset: the step) or one prompt (offset: its
+# index) derived from a seed; a prime, so (seed, offset) pairs with offsets below it never collide
+SEED_STRIDE = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -63,14 +96,14 @@ class SamplingParams:
 
     def prompt_seeds(self, count: int) -> list[int]:
         """The seed of each of `count` prompts of a call: (seed, first_prompt + its index)."""
-        return [self.seed * 1_000_003 + self.first_prompt + i for i in range(count)]
+        return [self.seed * SEED_STRIDE + self.first_prompt + i for i in range(count)]
 
     def completion_generators(self, count: int) -> list[torch.Generator]:
         """One generator per completion (row p*n + k) of `count` prompts, seeded by (seed, first_prompt
         + p, k): a completion's tokens depend neither on the other completions nor on the order in
         which an engine decodes them, so batched and one-at-a-time decoding draw the same tokens."""
         return [
-            torch.Generator().manual_seed(((self.seed * 1_000_003 + self.first_prompt + p) * 1_000_033 + k) % 2**63)
+            torch.Generator().manual_seed(((self.seed * SEED_STRIDE + self.first_prompt + p) * 1_000_033 + k) % 2**63)
             for p in range(count)
             for k in range(self.n)
         ]
@@ -94,7 +127,7 @@ class RolloutBatch:
     finish_reasons: list[str]  # [B] "stop" or "length"
     semantics: str  # "processed" or "raw"
     group_size: int  # K
-    timing: dict[str, float] = field(default_factory=dict)  # seconds, tokens per second
+    timing: Timing = field(default_factory=Timing)
     # with SamplingParams.top_m = m > 0, statistics of each sampled token's distribution (the one of
     # `semantics`), 0 on padding: entropy [B, T], sum_p2 [B, T], top_ids [B, T, m] long, top_logp [B, T, m]
     # (-inf for tokens outside a top-k / top-p support)
@@ -145,7 +178,7 @@ class RolloutBatch:
             finish_reasons=[r for b in parts for r in b.finish_reasons],
             semantics=parts[0].semantics,
             group_size=parts[0].group_size,
-            timing={k: sum(b.timing.get(k, 0.0) for b in parts) for k in parts[0].timing},
+            timing=sum((b.timing for b in parts), Timing()),
             stats={name: torch.cat([padded(p.stats[name]) for p in parts]) for name in parts[0].stats},
         )
 
@@ -205,19 +238,24 @@ def check_rollouts(batch: RolloutBatch, prompts: list[list[int]], params: Sampli
     if values.numel() and float(values.max()) > LOGP_SLACK:
         refuse(f"logp_inf must be <= 0 (a log-probability), got {float(values.max()):.4g}")
     if params.top_m:
-        missing = [name for name in TOKEN_STATS if name not in batch.stats]
-        if missing:
-            refuse(f"the engine reported no {', '.join(missing)} (asked for with top_m={params.top_m}: PS-PPO's engine"
-                   " proxies, algo.ps.proxies=engine); use algo.ps.proxies=trainer with this engine")
-        for name in TOKEN_STATS:
-            value = batch.stats[name]
-            if tuple(value.shape[:2]) != tuple(mask.shape) or (value.dim() == 3) != name.startswith("top_"):
-                refuse(f"stats[{name!r}] has shape {tuple(value.shape)}, not [B, T{', m' if name.startswith('top_') else ''}]"
-                       f" with [B, T] = {tuple(mask.shape)}")
-            # top_logp is -inf for tokens outside a top-k / top-p support
-            bad = value[mask].isnan() if name == "top_logp" else ~torch.isfinite(value[mask])
-            if value.dtype.is_floating_point and bad.any():
-                refuse(f"stats[{name!r}] is {'NaN' if name == 'top_logp' else 'not finite'} on some real token")
+        _check_token_stats(batch.stats, mask, params.top_m, refuse)
+
+
+def _check_token_stats(stats: dict[str, torch.Tensor], mask: torch.Tensor, top_m: int, refuse) -> None:
+    """`check_rollouts` of the statistics asked for with `top_m` > 0 (mask [B, T])."""
+    missing = [name for name in TOKEN_STATS if name not in stats]
+    if missing:
+        refuse(f"the engine reported no {', '.join(missing)} (asked for with top_m={top_m}: PS-PPO's engine"
+               " proxies, algo.ps.proxies=engine); use algo.ps.proxies=trainer with this engine")
+    for name in TOKEN_STATS:
+        value = stats[name]
+        if tuple(value.shape[:2]) != tuple(mask.shape) or (value.dim() == 3) != name.startswith("top_"):
+            refuse(f"stats[{name!r}] has shape {tuple(value.shape)}, not [B, T{', m' if name.startswith('top_') else ''}]"
+                   f" with [B, T] = {tuple(mask.shape)}")
+        # top_logp is -inf for tokens outside a top-k / top-p support
+        bad = value[mask].isnan() if name == "top_logp" else ~torch.isfinite(value[mask])
+        if value.dtype.is_floating_point and bad.any():
+            refuse(f"stats[{name!r}] is {'NaN' if name == 'top_logp' else 'not finite'} on some real token")
 
 
 TOKEN_STATS = ("entropy", "sum_p2", "top_ids", "top_logp")
@@ -238,7 +276,7 @@ def pad_rollouts(
     finish_reasons: list[str],
     semantics: str,
     group_size: int,
-    timing: dict[str, float],
+    timing: Timing = Timing(),
     stats: Optional[list[dict[str, torch.Tensor]]] = None,
 ) -> RolloutBatch:
     """Build a RolloutBatch from ragged per-row lists; `stats` per row: name -> [length, ...]."""

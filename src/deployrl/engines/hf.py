@@ -21,7 +21,7 @@ import warnings
 import torch
 from torch import nn
 
-from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
+from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, Timing, pad_rollouts
 from deployrl.engines.sampling import sample_next
 from deployrl.lora import is_adapter_name
 from deployrl.models import cache_argument, checkpointing_name, is_checkpointing
@@ -183,8 +183,6 @@ class HFEngine(RolloutEngine):
         all_stats = {name: torch.stack([step[name] for step in stats], dim=1).cpu() for name in stats[0]}  # [B, steps, ...]
         lengths = lengths.cpu().tolist()
         finish = ["stop" if f else "length" for f in finished.cpu().tolist()]
-        elapsed = time.perf_counter() - start
-        total = sum(lengths)
         return pad_rollouts(
             rows,
             [all_tokens[b, :n].tolist() for b, n in enumerate(lengths)],
@@ -192,6 +190,6 @@ class HFEngine(RolloutEngine):
             finish,
             self.semantics,
             params.n,
-            {"generate_s": elapsed, "tokens": float(total), "tokens_per_s": total / max(elapsed, 1e-9)},
+            Timing.since(start, sum(lengths)),
             [{name: value[b, :n] for name, value in all_stats.items()} for b, n in enumerate(lengths)],
         )

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
+from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, Timing, pad_rollouts
 from deployrl.engines.gguf_io import FILE_TYPES, FLOAT_TYPES, GGUFTemplate, write_gguf, write_gguf_adapter
 from deployrl.engines.llama_runtime import LlamaRuntime
 from deployrl.engines.sampling import sample_next
@@ -127,111 +127,140 @@ class LlamaCppEngine(RolloutEngine):
         cells = self._cache_cells(prompts, params)
         if cells > self.runtime.n_ctx or self.parallel > self.runtime.n_seq:  # `parallel` may have been raised
             self._load(max(math.ceil(cells / CACHE_GRANULE) * CACHE_GRANULE, self.runtime.n_ctx))
-        completions, logps, finish, stats = self._decode_all(prompts, params)
-        elapsed = time.perf_counter() - start
-        total = sum(len(c) for c in completions)
-        timing = {"generate_s": elapsed, "tokens": float(total), "tokens_per_s": total / max(elapsed, 1e-9)}
-        rows = [prompt for prompt in prompts for _ in range(params.n)]
-        stacked = [{name: torch.stack([step[name] for step in row]) for name in row[0]} if row else {} for row in stats]
-        return pad_rollouts(rows, completions, logps, finish, self.semantics, params.n, timing, stacked)
-
-    def _decode_all(self, prompts: list[list[int]], params: SamplingParams):
-        """Continuous batching over the P*K completions (rows p*K + k).
-
-        A row starts when a sequence and its KV cells are free: in a sequence that already holds
-        its prompt (a finished row of the same prompt, cut back to the prompt), in a copy of the
-        prompt from a running row, or, for a prompt's first row, by evaluating the prompt.
-        """
-        runtime, k, budget = self.runtime, params.n, params.max_new_tokens
-        runtime.clear()
         stop_ids = set(self.eos_token_ids) | set(params.stop_token_ids)
-        generators = params.completion_generators(len(prompts))
-        completions = [[] for _ in generators]
-        logps = [[] for _ in generators]
-        stats: list[list[dict[str, torch.Tensor]]] = [[] for _ in generators]  # per row, per token (top_m > 0)
-        finish = ["length"] * len(generators)
-        waiting = deque(range(len(generators)))
-        free_seqs = list(range(runtime.n_seq - 1, -1, -1))
-        seq_of: dict[int, int] = {}  # running row -> its sequence
-        logits: dict[int, torch.Tensor] = {}  # running row -> logits of its next token
-        holders: dict[int, set[int]] = {}  # prompt -> sequences holding its cells
-        source: dict[int, int] = {}  # prompt -> one sequence that holds them already (to copy from)
-        idle: dict[int, int] = {}  # prompt -> a sequence holding the prompt only
-        prompt_logits: dict[int, torch.Tensor] = {}
-        cells_used = 0
+        decoded = ContinuousBatch(self.runtime, prompts, params, self.parallel, stop_ids, self.semantics).run()
+        timing = Timing.since(start, sum(len(c) for c in decoded.completions))
+        rows = [prompt for prompt in prompts for _ in range(params.n)]
+        stacked = [{name: torch.stack([step[name] for step in row]) for name in row[0]} if row else {}
+                   for row in decoded.stats]
+        return pad_rollouts(rows, decoded.completions, decoded.logps, decoded.finish, self.semantics, params.n, timing,
+                            stacked)
 
-        while waiting or seq_of:
-            started, to_evaluate = [], []
-            while waiting and len(seq_of) < self.parallel:
-                row = waiting[0]
-                prompt = row // k
-                cells = budget + (0 if prompt in holders else len(prompts[prompt]))
-                if cells_used + cells > runtime.n_ctx or (prompt not in idle and not free_seqs):
-                    break
-                waiting.popleft()
-                cells_used += cells
-                if prompt in idle:
-                    seq = idle.pop(prompt)
-                else:
-                    seq = free_seqs.pop()
-                    if prompt not in holders:
-                        to_evaluate.append((prompt, seq))
-                        holders[prompt] = set()
-                    started.append((prompt, seq))
-                holders[prompt].add(seq)
-                seq_of[row] = seq
-            if to_evaluate:
-                tokens, positions, seqs, outputs = [], [], [], []
-                for prompt, seq in to_evaluate:
-                    ids = prompts[prompt]
-                    tokens += ids
-                    positions += range(len(ids))
-                    seqs += [seq] * len(ids)
-                    outputs += [False] * (len(ids) - 1) + [True]
-                for (prompt, seq), row_logits in zip(to_evaluate, runtime.decode(tokens, positions, seqs, outputs)):
-                    prompt_logits[prompt] = row_logits
-                    source[prompt] = seq
-            for prompt, seq in started:
-                if source[prompt] != seq:
-                    runtime.copy_sequence(source[prompt], seq, until=len(prompts[prompt]))
-            for row in seq_of:
-                if row not in logits:
-                    logits[row] = prompt_logits[row // k]
 
-            rows = list(seq_of)
-            draw = sample_next(torch.stack([logits.pop(r) for r in rows]), params.view, [generators[r] for r in rows],
-                               self.semantics, params.top_m)
-            values = draw.logp
-            entries = []
-            for i, (row, token, value) in enumerate(zip(rows, draw.tokens.tolist(), values.tolist())):
-                completions[row].append(token)
-                logps[row].append(value)
-                if draw.stats:
-                    stats[row].append({name: stat[i] for name, stat in draw.stats.items()})
-                prompt, length = row // k, len(prompts[row // k])
-                if token in stop_ids or len(completions[row]) == budget:
-                    finish[row] = "stop" if token in stop_ids else "length"
-                    seq = seq_of.pop(row)
-                    cells_used -= budget
-                    more_rows = bool(waiting) and waiting[0] // k == prompt
-                    if more_rows and prompt not in idle:
-                        runtime.drop_sequence(seq, start=length)
-                        idle[prompt] = seq
-                        continue
-                    runtime.drop_sequence(seq)
-                    holders[prompt].discard(seq)
-                    free_seqs.append(seq)
-                    if not holders[prompt]:
-                        del holders[prompt], prompt_logits[prompt], source[prompt]
-                        cells_used -= length
-                    elif source[prompt] == seq:
-                        source[prompt] = next(iter(holders[prompt]))
-                else:
-                    entries.append((row, token, length + len(completions[row]) - 1))
-            if entries:
-                new_logits = runtime.decode(
-                    [token for _, token, _ in entries], [pos for _, _, pos in entries],
-                    [seq_of[row] for row, _, _ in entries], [True] * len(entries),
-                )
-                logits.update(zip((row for row, _, _ in entries), new_logits))
-        return completions, logps, finish, stats
+class ContinuousBatch:
+    """Continuous batching of one `generate` call over its P*K completions (rows p*K + k).
+
+    A row starts when a sequence and its KV cells are free: in a sequence that already holds
+    its prompt (a finished row of the same prompt, cut back to the prompt), in a copy of the
+    prompt from a running row, or, for a prompt's first row, by evaluating the prompt. Each step
+    draws one token for every running row and decodes them in one `llama_decode` call.
+    """
+
+    def __init__(self, runtime: LlamaRuntime, prompts: list[list[int]], params: SamplingParams, parallel: int,
+                 stop_ids: set[int], semantics: str) -> None:
+        self.runtime, self.prompts, self.params, self.parallel = runtime, prompts, params, parallel
+        self.stop_ids, self.semantics = stop_ids, semantics
+        self.k, self.budget = params.n, params.max_new_tokens
+        self.generators = params.completion_generators(len(prompts))
+        rows = len(self.generators)
+        self.completions: list[list[int]] = [[] for _ in range(rows)]
+        self.logps: list[list[float]] = [[] for _ in range(rows)]
+        self.stats: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(rows)]  # per row, per token (top_m > 0)
+        self.finish = ["length"] * rows
+        self.waiting = deque(range(rows))
+        self.free_seqs = list(range(runtime.n_seq - 1, -1, -1))
+        self.seq_of: dict[int, int] = {}  # running row -> its sequence
+        self.logits: dict[int, torch.Tensor] = {}  # running row -> logits of its next token
+        self.holders: dict[int, set[int]] = {}  # prompt -> sequences holding its cells
+        self.source: dict[int, int] = {}  # prompt -> one sequence that holds them already (to copy from)
+        self.idle: dict[int, int] = {}  # prompt -> a sequence holding the prompt only
+        self.prompt_logits: dict[int, torch.Tensor] = {}
+        self.cells_used = 0
+
+    def run(self) -> "ContinuousBatch":
+        """Decode every row to a stop token or `max_new_tokens`; the rows' tokens, log-probs,
+        statistics and finish reasons are then in `completions`, `logps`, `stats`, `finish`."""
+        self.runtime.clear()
+        while self.waiting or self.seq_of:
+            self._start_rows()
+            self._advance(self._draw())
+        return self
+
+    def _start_rows(self) -> None:
+        """Start the waiting rows that fit, evaluating or copying their prompts."""
+        started, to_evaluate = [], []
+        while self.waiting and len(self.seq_of) < self.parallel:
+            row = self.waiting[0]
+            prompt = row // self.k
+            cells = self.budget + (0 if prompt in self.holders else len(self.prompts[prompt]))
+            if self.cells_used + cells > self.runtime.n_ctx or (prompt not in self.idle and not self.free_seqs):
+                break
+            self.waiting.popleft()
+            self.cells_used += cells
+            if prompt in self.idle:
+                seq = self.idle.pop(prompt)
+            else:
+                seq = self.free_seqs.pop()
+                if prompt not in self.holders:
+                    to_evaluate.append((prompt, seq))
+                    self.holders[prompt] = set()
+                started.append((prompt, seq))
+            self.holders[prompt].add(seq)
+            self.seq_of[row] = seq
+        if to_evaluate:
+            self._evaluate_prompts(to_evaluate)
+        for prompt, seq in started:
+            if self.source[prompt] != seq:
+                self.runtime.copy_sequence(self.source[prompt], seq, until=len(self.prompts[prompt]))
+        for row in self.seq_of:
+            if row not in self.logits:
+                self.logits[row] = self.prompt_logits[row // self.k]
+
+    def _evaluate_prompts(self, to_evaluate: list[tuple[int, int]]) -> None:
+        """Evaluate each (prompt, sequence) in one decode call, keeping the logits of its last token."""
+        tokens, positions, seqs, outputs = [], [], [], []
+        for prompt, seq in to_evaluate:
+            ids = self.prompts[prompt]
+            tokens += ids
+            positions += range(len(ids))
+            seqs += [seq] * len(ids)
+            outputs += [False] * (len(ids) - 1) + [True]
+        for (prompt, seq), row_logits in zip(to_evaluate, self.runtime.decode(tokens, positions, seqs, outputs)):
+            self.prompt_logits[prompt] = row_logits
+            self.source[prompt] = seq
+
+    def _draw(self) -> list[tuple[int, int, int]]:
+        """One token for every running row; (row, token, position) of the rows that go on."""
+        rows = list(self.seq_of)
+        draw = sample_next(torch.stack([self.logits.pop(r) for r in rows]), self.params.view,
+                           [self.generators[r] for r in rows], self.semantics, self.params.top_m)
+        going_on = []
+        for i, (row, token, value) in enumerate(zip(rows, draw.tokens.tolist(), draw.logp.tolist())):
+            self.completions[row].append(token)
+            self.logps[row].append(value)
+            if draw.stats:
+                self.stats[row].append({name: stat[i] for name, stat in draw.stats.items()})
+            if token in self.stop_ids or len(self.completions[row]) == self.budget:
+                self._finish_row(row, "stop" if token in self.stop_ids else "length")
+            else:
+                going_on.append((row, token, len(self.prompts[row // self.k]) + len(self.completions[row]) - 1))
+        return going_on
+
+    def _finish_row(self, row: int, reason: str) -> None:
+        """Free a finished row's sequence: kept with its prompt for the prompt's next row, else dropped."""
+        self.finish[row] = reason
+        prompt, length = row // self.k, len(self.prompts[row // self.k])
+        seq = self.seq_of.pop(row)
+        self.cells_used -= self.budget
+        more_rows = bool(self.waiting) and self.waiting[0] // self.k == prompt
+        if more_rows and prompt not in self.idle:
+            self.runtime.drop_sequence(seq, start=length)
+            self.idle[prompt] = seq
+            return
+        self.runtime.drop_sequence(seq)
+        self.holders[prompt].discard(seq)
+        self.free_seqs.append(seq)
+        if not self.holders[prompt]:
+            del self.holders[prompt], self.prompt_logits[prompt], self.source[prompt]
+            self.cells_used -= length
+        elif self.source[prompt] == seq:
+            self.source[prompt] = next(iter(self.holders[prompt]))
+
+    def _advance(self, entries: list[tuple[int, int, int]]) -> None:
+        """Decode the new token of each (row, token, position) in one call: the logits of their next tokens."""
+        if entries:
+            new_logits = self.runtime.decode(
+                [token for _, token, _ in entries], [pos for _, _, pos in entries],
+                [self.seq_of[row] for row, _, _ in entries], [True] * len(entries),
+            )
+            self.logits.update(zip((row for row, _, _ in entries), new_logits))

@@ -49,7 +49,7 @@ from typing import Optional
 
 import torch
 
-from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, pad_rollouts
+from deployrl.engines.base import LoraServing, RolloutBatch, RolloutEngine, SamplingParams, Timing, pad_rollouts
 from deployrl.engines.check import KernelMismatch
 from deployrl.lora import Adapter, merge_adapters, split_adapter, write_adapters
 from deployrl.registry import unknown_name_error
@@ -117,7 +117,7 @@ class VLLMEngine(RolloutEngine):
         parallel: int = 32,
         threads: Optional[int] = None,
         adapter_scales: Optional[dict[str, float]] = None,
-        lora_serving: str = "adapter",
+        lora_serving: str = LoraServing.ADAPTER.value,
         seed: int = 0,
     ) -> None:
         if option not in OPTIONS:
@@ -139,7 +139,7 @@ class VLLMEngine(RolloutEngine):
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
         self.adapter_scales = dict(adapter_scales or {})
-        self.lora_serving = lora_serving
+        self.merges_adapters = LoraServing.get("lora serving", lora_serving) is LoraServing.MERGED
         self._context = context_length
         self._folder = Path(tempfile.mkdtemp(prefix="deployrl-vllm-"))
         self._remove_folder = weakref.finalize(self, shutil.rmtree, self._folder, True)  # also at exit
@@ -200,7 +200,7 @@ class VLLMEngine(RolloutEngine):
     def _split(self, state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Adapter]]:
         """(base weights, adapters to serve); lora_serving=merged: the adapters folded into the base, none to serve."""
         base, adapters = split_adapter(state_dict, self.adapter_scales)
-        return (merge_adapters(base, adapters), {}) if self.lora_serving == "merged" else (base, adapters)
+        return (merge_adapters(base, adapters), {}) if self.merges_adapters else (base, adapters)
 
     def _load_adapters(self, adapters: dict[str, Adapter]) -> None:
         """Write the adapters, reload them in place under the one LoRA id, make vLLM activate them
@@ -283,9 +283,7 @@ class VLLMEngine(RolloutEngine):
                 if params.top_m:
                     stats.append(_top_stats(completion.logprobs, params.top_m))
                 finish.append("stop" if tokens and tokens[-1] in stop else "length")
-        elapsed = time.perf_counter() - start
-        total = sum(len(c) for c in completions)
-        timing = {"generate_s": elapsed, "tokens": float(total), "tokens_per_s": total / max(elapsed, 1e-9)}
+        timing = Timing.since(start, sum(len(c) for c in completions))
         return pad_rollouts(rows, completions, logps, finish, self.semantics, params.n, timing, stats or None)
 
 
