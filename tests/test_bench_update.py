@@ -54,7 +54,8 @@ def test_update_benchmark_prints_a_row_per_length_and_method(tiny_dir, tmp_path,
     assert len(saved["measurements"]) == 8
     for m in saved["measurements"]:
         stages = ("old_pass_s", "plan_s", "measure_s", "graded_s", "optimizer_s")
-        assert m["seconds"] == pytest.approx(sum(m[k] for k in stages))
+        # the stages cover the phase; between their clocks only a few Python statements run
+        assert m["seconds"] == pytest.approx(sum(m[k] for k in stages), abs=1e-3)
         assert m["threads"] == 1
         fused = m["method"] == "ps:temporal:engine"  # one epoch: no no-grad pass at all
         assert (m["old_pass_tokens"] == 0) == fused and (m["old_pass_tokens"] > m["tokens_total"]) != fused
