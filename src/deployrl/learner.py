@@ -176,7 +176,7 @@ class Tally:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)  # of the applied updates
     skipped: list[SkippedUpdate] = field(default_factory=list)
-    diagnostics: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    diagnostics: dict[str, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))  # [] each
     work: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("graded", "fed", "calls"), 0))
     optimizer_s: float = 0.0
 
@@ -497,7 +497,7 @@ class GradedPass:
                            logp_ref=None if self.old is None or self.old.logp_ref is None else self.old.logp_ref[rows])
         out.loss.backward()
         for name, value in out.metrics.items():
-            tally.diagnostics[name].append(float(value))
+            tally.diagnostics[name].append(value.detach())  # read on the host once, in result()
         return out.loss.detach()
 
     def result(self, tally: Tally) -> UpdateResult:
@@ -507,12 +507,13 @@ class GradedPass:
         logp_old = self.logp_old
         if self.old is None:  # each row's values were computed on one rank, zeros on the others
             logp_old = all_reduce_tensor(logp_old, learner.world)
-        diagnostics = tally.diagnostics
+        diagnostics = {name: torch.stack(values).tolist() for name, values in tally.diagnostics.items()}
         return UpdateResult(
             loss=_mean(tally.losses), grad_norm=_mean(tally.grad_norms),
-            clip_fraction=_mean(diagnostics["clip_fraction"]), approx_kl_old=_mean(diagnostics["approx_kl_old"]),
-            ratio_mean=_mean(diagnostics["ratio_mean"]),
-            kl_ref=_mean(diagnostics["kl_ref"]) if learner.config.algo.kl_coef > 0 else None,
+            clip_fraction=_mean(diagnostics.get("clip_fraction", [])),
+            approx_kl_old=_mean(diagnostics.get("approx_kl_old", [])),
+            ratio_mean=_mean(diagnostics.get("ratio_mean", [])),
+            kl_ref=_mean(diagnostics.get("kl_ref", [])) if learner.config.algo.kl_coef > 0 else None,
             tokens_graded=graded / epochs, graded_pass_tokens=fed / epochs, micro_batches=calls / epochs,
             applied=len(tally.grad_norms), optimizer_s=tally.optimizer_s, logp_old=logp_old, skipped=tally.skipped,
         )
