@@ -16,13 +16,13 @@ import time
 
 import torch
 
+from deployrl.commands.mismatch import discrepancy_report
 from deployrl.engines import make_engine
 from deployrl.engines.base import SamplingParams, trainer_view
-from deployrl.mismatch import discrepancy_report
-from deployrl.models import end_token_ids, load_model, load_tokenizer, resolve_model, token_logprobs
-from deployrl.config import default_task
-from deployrl.prompts import encode_prompts
+from deployrl.models.loading import end_token_ids, load_model, load_tokenizer, resolve_model, token_logprobs
+from deployrl.settings.config import default_task
 from deployrl.tasks import load_task
+from deployrl.tasks.prompts import encode_prompts
 
 ENGINES = "hf:fp32,hf:bf16,hf:fp16,hf:fp8,llamacpp:f16,llamacpp:q8_0,llamacpp:q4_1"
 

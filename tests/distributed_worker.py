@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 from test_trainer import VARIANTS, toy_config
 
-from deployrl.distributed import close_world, full_state_dict, init_world
-from deployrl.trainer import Trainer
+from deployrl.training.distributed import close_world, full_state_dict, init_world
+from deployrl.training.trainer import Trainer
 
 
 def main() -> None:

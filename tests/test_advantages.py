@@ -9,7 +9,7 @@ from deployrl.algo.advantages import (
     compute_advantages,
     zero_variance_groups,
 )
-from deployrl.config import AlgoConfig
+from deployrl.settings.config import AlgoConfig
 
 
 def loop_reference(name, rewards, eps):

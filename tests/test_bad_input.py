@@ -13,12 +13,12 @@ from typing import Optional
 
 import pytest
 
-from deployrl import trainer as trainer_module
-from deployrl.config import load_config
-from deployrl.configio import ConfigError
-from deployrl.models import UnsupportedModelError, load_model, load_tokenizer, resolve_model
-from deployrl.task_settings import JsonlTask, ParquetTask
+from deployrl.models.loading import UnsupportedModelError, load_model, load_tokenizer, resolve_model
+from deployrl.settings.config import load_config
+from deployrl.settings.parsing import ConfigError
+from deployrl.settings.task import JsonlTask, ParquetTask
 from deployrl.tasks import TaskDataError, load_task
+from deployrl.training import trainer as trainer_module
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +327,7 @@ def test_unsupported_engines_are_refused_with_the_config(case, tally):
 
 
 def test_the_eval_command_checks_the_engine_before_loading(tally, capsys, no_weights, monkeypatch):
-    from deployrl import evaluate
+    from deployrl.commands import evaluate
 
     monkeypatch.setattr("deployrl.tasks.load_task", lambda *a: pytest.fail("the task was loaded"))
     tally["injected"] += 1

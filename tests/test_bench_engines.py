@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from deployrl.bench.engines import main
+from deployrl.commands.bench.engines import main
 
 
 def test_bad_arguments_are_refused_before_any_model_loads(capsys):

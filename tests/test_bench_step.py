@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from deployrl.bench import step
-from deployrl.config import load_config
+from deployrl.commands.bench import step
+from deployrl.settings.config import load_config
 
 SMALL = [
     "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=4", "rollout.context_length=256",
@@ -34,7 +34,7 @@ def tiny_gguf(tmp_path_factory):
     from tiny import tiny_model
 
     from deployrl.engines.gguf_io import write_gguf
-    from deployrl.models import resolve_model
+    from deployrl.models.loading import resolve_model
 
     model = tiny_model("llama", vocab_size=49152, hidden_size=64, init_std=0.05)
     template = resolve_model("smollm2-135m").gguf_path

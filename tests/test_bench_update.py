@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
-from deployrl.bench import update
-from deployrl.bench.measure import in_fresh_process
-from deployrl.bench.update import Settings
-from deployrl.config import TrainConfig
-from deployrl.configio import build
+from deployrl.commands.bench import update
+from deployrl.commands.bench.measure import in_fresh_process
+from deployrl.commands.bench.update import Settings
+from deployrl.settings.config import TrainConfig
+from deployrl.settings.parsing import build
 
 
 def table_rows(text: str) -> dict[tuple[int, str], dict[str, str]]:
@@ -63,7 +63,7 @@ def test_update_benchmark_prints_a_row_per_length_and_method(tiny_dir, tmp_path,
 
 def test_measure_one_runs_in_a_fresh_process(tiny_dir):
     settings = Settings(budget=8, prompt_tokens=4, threads=1)
-    result = in_fresh_process("deployrl.bench.update:measure_one", {
+    result = in_fresh_process("deployrl.commands.bench.update:measure_one", {
         "model_dir": str(tiny_dir), "method": "ps:optimized", "t_max": 48, "settings": vars(settings),
         "repeat": 1,
     })

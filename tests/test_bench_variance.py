@@ -8,7 +8,7 @@ import torch
 
 from deployrl.algo.logprobs import RAW
 from deployrl.algo.prefix import cutoff_law, sample_plan
-from deployrl.bench.variance import draw_errors, exact_variance, head_gradient_gram
+from deployrl.commands.bench.variance import draw_errors, exact_variance, head_gradient_gram
 
 
 def head_gradient(hidden, head, tokens, coef, c):
@@ -59,7 +59,7 @@ def test_closed_form_variance_matches_monte_carlo(strategy):
 def test_bench_variance_runs_and_prints_its_tables(tmp_path, tiny_dir, capsys):
     from tiny import toy_task_file
 
-    from deployrl.bench import main
+    from deployrl.commands.bench import main
 
     task_file = toy_task_file(tmp_path)
     out = tmp_path / "variance.json"

@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from deployrl.reward_sandbox import score_completions
-from deployrl.rewards import last_boxed, math_reward
-from deployrl.task_settings import BenchmarkTask
+from deployrl.rewards.grading import last_boxed, math_reward
+from deployrl.rewards.sandbox import score_completions
+from deployrl.settings.task import BenchmarkTask
 from deployrl.tasks import BENCHMARKS, load_task
 
 # References math-verify can only compare as strings (see docs/tasks.md): a derivative
@@ -27,7 +27,7 @@ def parses_symbolically(completion: str, reference) -> float:
     """1.0 if the reference parses to a sympy object (runs in the reward workers)."""
     import sympy
 
-    from deployrl.rewards import _parse_boxed
+    from deployrl.rewards.grading import _parse_boxed
 
     return float(any(isinstance(x, (sympy.Basic, sympy.MatrixBase)) for x in _parse_boxed(str(reference))))
 

@@ -7,16 +7,16 @@ import random
 import numpy as np
 import pytest
 import torch
+from tiny import char_tokenizer, tiny_model
 
-from deployrl.checkpoint import (
+from deployrl.training.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from deployrl.export import export_model
-from tiny import char_tokenizer, tiny_model
+from deployrl.training.export import export_model
 
 
 def lr_lambda(step: int, warmup: int = 2, total: int = 10) -> float:
@@ -233,7 +233,7 @@ def test_export_writes_an_hf_folder(trained, tmp_path):
 
 def test_export_writes_a_gguf_for_llama_cpp(tmp_path):
     """A tiny Llama in SmolLM2's GGUF (its tokenizer and metadata), Q4_1 like the shipped file."""
-    from deployrl.models import resolve_model
+    from deployrl.models.loading import resolve_model
 
     model = tiny_model("llama", vocab_size=49152, hidden_size=64, init_std=0.05)
     written = export_model(model, None, tmp_path, gguf_template=resolve_model("smollm2-135m").gguf_path)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deployrl.algo.corrections import CORRECTIONS, Measured
-from deployrl.config import DCConfig
+from deployrl.settings.config import DCConfig
 
 DC = DCConfig()
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deployrl.checkpoint import latest_checkpoint
-from deployrl.configio import load_yaml
+from deployrl.settings.parsing import load_yaml
+from deployrl.training.checkpoint import latest_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 # the variants cover GRPO, DC-GRPO with PS-PPO's optimized law, and several PPO epochs and
@@ -211,7 +211,7 @@ def test_one_process_leaves_a_process_group_it_did_not_start_alone(tmp_path):
     made vLLM's teardown fail ("Invalid process group specified") after every vLLM run."""
     import torch.distributed as dist
 
-    from deployrl.distributed import World, close_world
+    from deployrl.training.distributed import World, close_world
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -7,7 +7,7 @@ from deployrl.engines import make_engine, parse_engine_spec
 from deployrl.engines.base import MalformedRollouts, SamplingParams, check_rollouts, trainer_view
 from deployrl.engines.hf import HFEngine, quantize_fp8
 from deployrl.engines.sampling import sample_next
-from deployrl.models import ModelSource, token_logprobs
+from deployrl.models.loading import ModelSource, token_logprobs
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 20, 21, 22]]
 EOS = [2]

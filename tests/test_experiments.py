@@ -16,7 +16,7 @@ def load_runner():
 
 
 def test_shipped_experiments_are_valid_configs():
-    from deployrl.config import load_config
+    from deployrl.settings.config import load_config
 
     runner = load_runner()
     for name in ("mismatch", "ps_accuracy"):

@@ -27,14 +27,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployrl import rollout as rollout_module, runlog, trainer as trainer_module
-from deployrl.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, load_checkpoint, verify_checkpoint
-from deployrl.config import load_config
 from deployrl.engines.base import MalformedRollouts, RolloutBatch, SamplingParams, check_rollouts, pad_rollouts
-from deployrl.reward_sandbox import score_completions
-from deployrl.runlog import RunDirectoryError, read_jsonl
 from deployrl.errors import EngineError, NonFiniteError, RewardFailure, TrainingInterrupted
-from deployrl.trainer import Trainer
+from deployrl.rewards.sandbox import score_completions
+from deployrl.settings.config import load_config
+from deployrl.training import rollout as rollout_module, runlog, trainer as trainer_module
+from deployrl.training.checkpoint import (
+    CheckpointError,
+    checkpoint_step,
+    latest_checkpoint,
+    load_checkpoint,
+    verify_checkpoint,
+)
+from deployrl.training.runlog import RunDirectoryError, read_jsonl
+from deployrl.training.trainer import Trainer
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 8
@@ -43,7 +49,8 @@ STEPS = 8
 # write (all files but the manifest written), announced on stdout, and an optional file size limit.
 CHILD = r"""
 import os, resource, signal, sys, time
-from deployrl import checkpoint, trainer
+from deployrl.training import checkpoint
+from deployrl.training import trainer
 
 limit = int(os.environ.get("FAULT_FILE_SIZE_LIMIT", "0"))
 if limit:  # writes past `limit` bytes fail with EFBIG, like a full disk

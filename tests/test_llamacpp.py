@@ -12,7 +12,7 @@ from deployrl.engines.check import GAP_BOUNDS, KernelMismatch, check_engine, ref
 from deployrl.engines.gguf_io import write_gguf
 from deployrl.engines.llama_runtime import LlamaRuntime, extra_buffers_allowed
 from deployrl.engines.llamacpp import LlamaCppEngine
-from deployrl.models import load_model, resolve_model, token_logprobs
+from deployrl.models.loading import load_model, resolve_model, token_logprobs
 
 PROMPTS = [[1, 9690, 198, 2683, 359], [1, 4093, 314]]
 EOS = [2]
@@ -173,9 +173,10 @@ def test_kernel_self_check_follows_a_trainer_off_the_quantisation_grid(template)
     """Full fine-tuning moves the trainer off the Q4_1 grid, and the re-quantised file cannot
     follow (docs/training.md): the check compares the engine with the trainer's model on the
     weights the file holds, so that drift is not mistaken for broken kernels."""
-    from deployrl.engines.check import check_ids, reference_on
-    from deployrl.models import load_tokenizer
     from tiny import tiny_model
+
+    from deployrl.engines.check import check_ids, reference_on
+    from deployrl.models.loading import load_tokenizer
 
     model = tiny_model("llama", vocab_size=49152, hidden_size=64, init_std=0.05)
     ids = check_ids(load_tokenizer(resolve_model("smollm2-135m")), 49152)

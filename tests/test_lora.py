@@ -4,12 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer import VARIANTS, toy_config
 
 from deployrl.engines.check import reference_logprobs
-from deployrl.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, add_lora, adapter_scales, split_adapter
-from deployrl.trainer import Trainer
-
-from test_trainer import VARIANTS, toy_config
+from deployrl.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_scales, add_lora, split_adapter
+from deployrl.training.trainer import Trainer
 
 EOS = [2]
 
@@ -58,8 +57,8 @@ def test_lora_checkpoint_holds_the_adapter_alone_in_peft_layout(tmp_path, tiny_d
     the trainer's model; it names its base; no base weight is stored."""
     from peft import PeftModel
 
-    from deployrl.checkpoint import latest_checkpoint
-    from deployrl.models import load_model, resolve_model
+    from deployrl.models.loading import load_model, resolve_model
+    from deployrl.training.checkpoint import latest_checkpoint
 
     trainer = Trainer(toy_config(tmp_path, tiny_dir, "steps=2", "save_every=2", *LORA))
     trainer.run()
@@ -75,7 +74,7 @@ def test_lora_checkpoint_holds_the_adapter_alone_in_peft_layout(tmp_path, tiny_d
 
 
 def test_full_checkpoint_refused_by_a_lora_run_and_the_reverse(tmp_path, tiny_dir):
-    from deployrl.checkpoint import CheckpointError
+    from deployrl.training.checkpoint import CheckpointError
 
     Trainer(toy_config(tmp_path / "full", tiny_dir, "steps=1", "save_every=1")).run()
     with pytest.raises(CheckpointError, match="holds a full model, not a LoRA adapter"):
@@ -105,7 +104,7 @@ def test_written_adapters_load_back_as_the_models_own(tmp_path):
 
     from tiny import tiny_model
 
-    from deployrl.lora import read_adapter, write_adapters
+    from deployrl.models.lora import read_adapter, write_adapters
 
     model = add_lora(tiny_model("llama"), rank=2, alpha=6.0, dropout=0.0, target_modules=("q_proj", "down_proj"))
     with torch.no_grad():
@@ -127,7 +126,7 @@ def engine_for(spec: str, model):
     """The engine `spec` built from `model` (a tiny Llama with SmolLM2's vocabulary)."""
     from deployrl.engines.hf import HFEngine
     from deployrl.engines.llamacpp import LlamaCppEngine
-    from deployrl.models import resolve_model
+    from deployrl.models.loading import resolve_model
 
     kind, option = spec.split(":")
     if kind == "hf":
@@ -170,7 +169,7 @@ def test_lora_base_is_the_dequantised_gguf(tmp_path):
     from tiny import tiny_model
 
     from deployrl.engines.gguf_io import write_gguf
-    from deployrl.models import load_model, resolve_model
+    from deployrl.models.loading import load_model, resolve_model
 
     model = tiny_model("llama", vocab_size=49152, hidden_size=64, init_std=0.05)
     held: dict[str, torch.Tensor] = {}
@@ -191,10 +190,10 @@ def test_export_of_a_lora_model(tmp_path):
     from tiny import tiny_model
     from transformers import AutoModelForCausalLM
 
-    from deployrl.export import export_model
     from deployrl.engines.gguf_io import write_gguf
     from deployrl.engines.llama_runtime import LlamaRuntime
-    from deployrl.models import resolve_model
+    from deployrl.models.loading import resolve_model
+    from deployrl.training.export import export_model
 
     template = resolve_model("smollm2-135m").gguf_path
     model = tiny_model("llama", vocab_size=49152, hidden_size=64, init_std=0.05)
@@ -233,9 +232,9 @@ def test_eval_scores_an_adapter_folder_as_its_merged_model(tmp_path, tiny_dir):
 
     from tiny import toy_task_file
 
-    from deployrl.export import export_model
     from deployrl.cli import main as cli
-    from deployrl.models import load_model, load_tokenizer, resolve_model
+    from deployrl.models.loading import load_model, load_tokenizer, resolve_model
+    from deployrl.training.export import export_model
 
     source = resolve_model(str(tiny_dir))
     model = add_lora(load_model(source), 4, 8.0, 0.0, ("q_proj", "v_proj", "up_proj"), base=str(tiny_dir))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from deployrl.algo.losses import AGGREGATIONS, aggregate, kl_penalty, policy_loss
-from deployrl.config import AlgoConfig
+from deployrl.settings.config import AlgoConfig
 
 
 def token_loss_reference(lp, lp_old, a, eps_low, eps_high, dual_clip):

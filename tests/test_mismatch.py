@@ -3,7 +3,7 @@ import json
 import pytest
 
 from deployrl.cli import main as cli
-from deployrl.mismatch import MismatchConfig, run
+from deployrl.commands.mismatch import MismatchConfig, run
 from deployrl.tasks import TaskDataError, load_prompt_file
 
 
@@ -58,7 +58,7 @@ def test_real_model_report(engine):
 
 
 def test_llamacpp_engine_needs_a_gguf_model_before_anything_loads(tiny_dir, capsys):
-    from deployrl.mismatch import main
+    from deployrl.commands.mismatch import main
 
     with pytest.raises(SystemExit) as stop:
         main(["--model", str(tiny_dir), "--engine", "llamacpp:q4_1"])

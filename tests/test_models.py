@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deployrl.algo.logprobs import SamplingView, processed_logits
-from deployrl.models import load_model, resolve_model, shares_prompts, token_logprobs
+from deployrl.models.loading import load_model, resolve_model, shares_prompts, token_logprobs
 
 
 def naive_logprobs(model, prompts, completions, mask, view):
@@ -151,7 +151,7 @@ def test_chunked_pass_memory_stays_bounded(grad):
 def test_end_tokens_merge_the_tokenizer_and_the_generation_config():
     from types import SimpleNamespace
 
-    from deployrl.models import end_token_ids
+    from deployrl.models.loading import end_token_ids
 
     tokenizer = SimpleNamespace(eos_token_id=2)
     chat_model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 2]))

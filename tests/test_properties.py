@@ -18,13 +18,9 @@ import time
 import typing
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from deployrl.config import TrainConfig, load_config
-from deployrl.configio import ConfigError, build, to_dict
-from deployrl.reward_sandbox import score_completions
-from deployrl.rewards import (
+from deployrl.rewards.grading import (
     extract_final_answer,
     format_reward,
     last_answer_tag,
@@ -33,7 +29,10 @@ from deployrl.rewards import (
     math_reward,
     reasoning_gym_reward,
 )
-from deployrl.task_settings import JsonlTask
+from deployrl.rewards.sandbox import score_completions
+from deployrl.settings.config import TrainConfig, load_config
+from deployrl.settings.parsing import ConfigError, build, to_dict
+from deployrl.settings.task import JsonlTask
 from deployrl.tasks import TaskDataError, load_task
 
 FAST = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -63,7 +62,7 @@ NAMES = [
 ]
 # Rewards are imported by name: only these, never random module names.
 REWARDS = ["auto", "math", "format", "reasoning_gym", "maths", "tiny:starts_with_digit", "no_such_module_xyz:f",
-           "/tmp/reward.py:f", "deployrl.rewards:math_reward.__globals__", ":", 3]
+           "/tmp/reward.py:f", "deployrl.rewards.grading:math_reward.__globals__", ":", 3]
 ANY_VALUE = st.one_of(
     st.none(), st.booleans(), st.integers(-3, 300), st.integers(), st.floats(), st.text(max_size=10),
     st.sampled_from(NAMES), st.lists(st.integers(-2, 5), max_size=3),

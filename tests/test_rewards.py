@@ -5,9 +5,8 @@ import time
 
 import pytest
 
-from deployrl import reward_sandbox, rewards
-from deployrl.reward_sandbox import RewardScores, score_completions
-from deployrl.rewards import (
+from deployrl.rewards import grading as rewards, sandbox as reward_sandbox
+from deployrl.rewards.grading import (
     REWARDS,
     extract_final_answer,
     format_reward,
@@ -17,6 +16,7 @@ from deployrl.rewards import (
     overlong_penalty,
     reasoning_gym_reward,
 )
+from deployrl.rewards.sandbox import RewardScores, score_completions
 
 
 def test_doctests():
@@ -141,10 +141,10 @@ def test_get_reward_names_and_errors():
     assert "Did you mean 'format'" in str(err.value) and "math, reasoning_gym" in str(err.value)
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
         get_reward("no_such_module_xyz:f")
-    with pytest.raises(ValueError, match="module 'deployrl.rewards' has no attribute 'nope'"):
-        get_reward("deployrl.rewards:nope")
+    with pytest.raises(ValueError, match="module 'deployrl.rewards.grading' has no attribute 'nope'"):
+        get_reward("deployrl.rewards.grading:nope")
     with pytest.raises(ValueError, match="not callable"):
-        get_reward("deployrl.rewards:REWARDS")
+        get_reward("deployrl.rewards.grading:REWARDS")
     with pytest.raises(ValueError, match="package.module:function"):
         get_reward(":f")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from deployrl.runlog import RunLogger, format_postfix, plot_metrics, progress, read_jsonl, run_summary
+from deployrl.training.runlog import RunLogger, format_postfix, plot_metrics, progress, read_jsonl, run_summary
 
 CONFIG = {"model": {"name": "tiny"}, "steps": 4, "betas": (0.9, 0.95)}
 

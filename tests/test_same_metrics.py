@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployrl.trainer import Trainer
+from deployrl.training.trainer import Trainer
 
 GOLDEN = Path(__file__).parent / "data" / "learn_metrics.json"
 COMMON = ("rollout.engine=hf:fp32", "algo.dynamic_sampling=drop")

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 import deployrl
-from deployrl.config import ModelConfig, load_config
-from deployrl.configio import ConfigError
-from deployrl.models import UnsupportedModelError, load_model, load_tokenizer, resolve_model
-from deployrl.reward_sandbox import score_completions
-from deployrl.rewards import get_reward, math_reward
-from deployrl.task_settings import JsonlTask
+from deployrl.models.loading import UnsupportedModelError, load_model, load_tokenizer, resolve_model
+from deployrl.rewards.grading import get_reward, math_reward
+from deployrl.rewards.sandbox import score_completions
+from deployrl.settings.config import ModelConfig, load_config
+from deployrl.settings.parsing import ConfigError
+from deployrl.settings.task import JsonlTask
 
 SOURCE = Path(deployrl.__file__).parent
 
@@ -38,11 +38,11 @@ ALLOWED = {
     # through it): the worker receives the function by reference and the (completion, reference)
     # pair, the trainer receives a float or an error string that the worker itself built; no
     # other process can write to the pipe and nothing read from a file or the model is unpickled
-    ".recv": {("reward_sandbox.py", "_worker_main"), ("reward_sandbox.py", "call")},
+    ".recv": {("rewards/sandbox.py", "_worker_main"), ("rewards/sandbox.py", "call")},
     # the user's reward, by the module name the user gave; the bench commands and the settings
     # classes of the commands (for their help), from fixed tables
-    "importlib.import_module": {("rewards.py", "get_reward"), ("bench/__init__.py", "main"),
-                                ("configdoc.py", "command_config"), ("cli.py", "main")},
+    "importlib.import_module": {("rewards/grading.py", "get_reward"), ("commands/bench/__init__.py", "main"),
+                                ("settings/docs.py", "command_config"), ("cli.py", "main")},
 }
 
 
@@ -110,7 +110,7 @@ def test_the_scanner_sees_forbidden_code(tmp_path, monkeypatch):
     found = source_violations(bad)
     assert [v.split(": ", 1)[1] for v in found] == [
         "import pickle", "yaml.load()", "yaml.Loader", "torch.load without weights_only=True", "eval()",
-        "conn.recv() in f (allowed only in [('reward_sandbox.py', '_worker_main'), ('reward_sandbox.py', 'call')])",
+        "conn.recv() in f (allowed only in [('rewards/sandbox.py', '_worker_main'), ('rewards/sandbox.py', 'call')])",
         "trust_remote_code=True",
     ]
 
@@ -147,7 +147,7 @@ def test_trust_remote_code_is_off_unless_the_user_asks(tiny_dir, tmp_path, monke
     from tiny import toy_task_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deployrl import trainer
+    from deployrl.training import trainer
 
     assert ModelConfig().trust_remote_code is False
     for function in (load_tokenizer, load_model):
@@ -207,7 +207,7 @@ def test_a_user_reward_is_imported_only_from_the_module_named(tmp_path):
     with pytest.raises(ValueError, match=r"is not a module name; give the module's import name .*not a file path"):
         get_reward(f"{evil}:score")
     with pytest.raises(ValueError, match=r"must name a function of the module .*without dunder attributes"):
-        get_reward("deployrl.rewards:math_reward.__globals__")
+        get_reward("deployrl.rewards.grading:math_reward.__globals__")
     # a module next to the dataset is not on the import path: it is not found, not imported
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+1?", "answer": "2"}\n')

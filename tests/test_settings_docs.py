@@ -6,18 +6,18 @@ from pathlib import Path
 import pytest
 
 from deployrl import cli
-from deployrl.bench import COMMANDS as BENCH_COMMANDS
-from deployrl.configcli import NO_VALUE, CommandLine
-from deployrl.configdoc import COMMAND_CONFIGS, command_config, commented_yaml, key_help, settings_markdown
-from deployrl.configio import ConfigError, build, load, parse_yaml
+from deployrl.commands.bench import COMMANDS as BENCH_COMMANDS
 from deployrl.engines import ENGINES
+from deployrl.settings.command_line import NO_VALUE, CommandLine
+from deployrl.settings.docs import COMMAND_CONFIGS, command_config, commented_yaml, key_help, settings_markdown
+from deployrl.settings.parsing import ConfigError, build, load, parse_yaml
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 ALL_COMMANDS = [[name] for name in cli.COMMANDS if name != "bench"] + [["bench", name] for name in BENCH_COMMANDS]
 
 
 def test_settings_docs_are_in_step_with_the_code():
-    assert DOCS.read_text() == settings_markdown(), "regenerate: python -m deployrl.configdoc > docs/settings.md"
+    assert DOCS.read_text() == settings_markdown(), "regenerate: python -m deployrl.settings.docs > docs/settings.md"
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_every_setting_of_a_command_is_documented(command):
 
 
 def test_print_config_comments_each_key_with_its_help_and_reads_back(capsys):
-    from deployrl.config import TrainConfig
+    from deployrl.settings.config import TrainConfig
 
     with pytest.raises(SystemExit) as stop:
         cli.main(["train", "rollout.engine=hf:fp16", "--print-config"])
@@ -103,7 +103,7 @@ def test_print_config_comments_each_key_with_its_help_and_reads_back(capsys):
 
 
 def test_engine_help_comes_from_the_registry():
-    from deployrl.config import TrainConfig
+    from deployrl.settings.config import TrainConfig
 
     text = key_help(TrainConfig, "rollout.engine")
     for kind in ENGINES:
@@ -112,7 +112,7 @@ def test_engine_help_comes_from_the_registry():
 
 
 def test_vocabularies_are_asked_not_compared():
-    from deployrl.config import AlgoConfig, OptimConfig, RolloutConfig
+    from deployrl.settings.config import AlgoConfig, OptimConfig, RolloutConfig
 
     assert AlgoConfig(dynamic_sampling="off").refill_rounds is None
     assert AlgoConfig(dynamic_sampling="drop").refill_rounds == 0
@@ -126,8 +126,8 @@ def test_vocabularies_are_asked_not_compared():
 
 def test_one_wording_for_an_engine_that_needs_a_gguf(tmp_path):
     """The config, the engines and the mismatch command refuse a non-GGUF model for llamacpp alike."""
-    from deployrl.config import load_config
     from deployrl.engines import check_model_file
+    from deployrl.settings.config import load_config
 
     with pytest.raises(ConfigError) as from_config:
         load_config(None, ["model.name=some/dir", "rollout.engine=llamacpp:q4_1"])

@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from deployrl.config import EvalSettings
-from deployrl.configio import ConfigError, build
-from deployrl.reward_sandbox import score_completions
-from deployrl.rewards import format_reward, math_reward, reasoning_gym_reward
-from deployrl.task_settings import (
+from deployrl.rewards.grading import format_reward, math_reward, reasoning_gym_reward
+from deployrl.rewards.sandbox import score_completions
+from deployrl.settings.config import EvalSettings
+from deployrl.settings.parsing import ConfigError, build
+from deployrl.settings.task import (
     BENCHMARK_NAMES,
     DEFAULT_INSTRUCTIONS,
     BenchmarkTask,

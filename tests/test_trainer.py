@@ -6,12 +6,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from deployrl.config import load_config
-from deployrl.configio import ConfigError
-from deployrl.engines.base import SamplingParams, trainer_view
 from deployrl.algo.prefix import cutoff_law, sample_plan
-from deployrl.learner import micro_batches
-from deployrl.trainer import Trainer
+from deployrl.engines.base import SamplingParams, trainer_view
+from deployrl.settings.config import load_config
+from deployrl.settings.parsing import ConfigError
+from deployrl.training.passes import micro_batches
+from deployrl.training.trainer import Trainer
 
 
 def toy_config(tmp_path, tiny_dir, *overrides):
@@ -99,8 +99,8 @@ def test_graded_pass_sees_only_the_sampled_prefixes(tmp_path, tiny_dir):
     trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.ps.strategy=uniform", "algo.ps.budget=2"))
     rollouts, view = collect(trainer)
     learner = trainer.learner
-    old = learner.old_pass(rollouts, view)
-    plan = learner.plan(rollouts, old.proxies())
+    old = learner.passes.old_pass(rollouts, view)
+    plan = learner.passes.plan(rollouts, old.proxies())
     update = learner.update(rollouts, plan, view, old)
     assert update.tokens_graded == float(plan.cutoffs.sum())
     assert update.tokens_graded < 0.8 * float(rollouts.batch.mask.sum())
@@ -121,8 +121,8 @@ def test_update_gradient_does_not_depend_on_micro_batch_packing(variant, tmp_pat
     # float64: the packings sum in different orders, and in fp32 that rounding depends on the CPU's kernels
     trainer.model.double()
     rollouts, view = collect(trainer)
-    old = learner.old_pass(rollouts, view)
-    plan = learner.plan(rollouts, old.proxies())
+    old = learner.passes.old_pass(rollouts, view)
+    plan = learner.passes.plan(rollouts, old.proxies())
     assert 0 < int(plan.cutoffs.sum()) < rollouts.batch.mask.sum()  # a real prefix sample
     gradients = []
 
@@ -134,7 +134,7 @@ def test_update_gradient_does_not_depend_on_micro_batch_packing(variant, tmp_pat
     learner.correction.tolerance = 0.0  # as if measured: DC's hinge needs c
     calls = []
     for budget in (100_000, 24, 8):
-        learner.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=budget))
+        learner.passes.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=budget))
         calls.append(learner.update(rollouts, plan, view, old).micro_batches)
     assert calls[0] == 1 < calls[1] < calls[2] and len(gradients) == 3
     for other in gradients[1:]:
@@ -239,9 +239,8 @@ def test_eval_command_scores_a_task(tiny_dir, tmp_path, capsys):
 def test_eval_command_defaults_to_the_default_runs_held_out_problems():
     """`deployrl eval` without a task scores what a default run's own evaluation scores (the training
     task, seed 1); `--task` names a dataset with that dataset's own settings."""
-    from deployrl.config import load_config
-    from deployrl.evaluate import COMMAND_LINE
-    from deployrl.config import held_out_task
+    from deployrl.commands.evaluate import COMMAND_LINE
+    from deployrl.settings.config import held_out_task, load_config
 
     default, _ = COMMAND_LINE.parse([])
     assert default.task == held_out_task(load_config(None, []))
@@ -256,10 +255,10 @@ def test_eval_stops_at_either_end_token_of_the_generation_config(tiny_dir, tmp_p
 
     from deployrl.cli import main as cli
     from deployrl.engines.hf import HFEngine
-    from deployrl.models import load_model, load_tokenizer, resolve_model
-    from deployrl.prompts import encode_prompts
-    from deployrl.task_settings import ReasoningGymTask
+    from deployrl.models.loading import load_model, load_tokenizer, resolve_model
+    from deployrl.settings.task import ReasoningGymTask
     from deployrl.tasks import load_task
+    from deployrl.tasks.prompts import encode_prompts
 
     task = ReasoningGymTask(name="basic_arithmetic", seed=1)
     source = resolve_model(str(tiny_dir))
@@ -291,10 +290,10 @@ def test_old_pass_in_micro_batches_equals_one_pass(tmp_path, tiny_dir):
     learner = trainer.learner
     rollouts, view = collect(trainer)
     for proxies in (("entropy",), ("entropy", "grad_norm", "uncertainty")):  # micro-batches of rows, of groups
-        learner.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=100000))
-        whole = learner.old_pass(rollouts, view, proxies)
-        learner.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=8))
-        split = learner.old_pass(rollouts, view, proxies)
+        learner.passes.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=100000))
+        whole = learner.passes.old_pass(rollouts, view, proxies)
+        learner.passes.config = replace(trainer.config, algo=replace(trainer.config.algo, micro_batch_tokens=8))
+        split = learner.passes.old_pass(rollouts, view, proxies)
         for name in ("logp", "logp_ref", "entropy", "grad_norm", "uncertainty"):
             if getattr(whole, name) is not None:
                 torch.testing.assert_close(getattr(split, name), getattr(whole, name), atol=1e-5, rtol=1e-5, msg=name)
@@ -338,11 +337,11 @@ def test_prefix_only_update_equals_the_full_pass_update(correction, tmp_path, ti
     learner = trainer.learner
     rollouts, view = collect(trainer)
     mask = rollouts.batch.mask
-    plan = learner.plan(rollouts, learner.engine_proxies(rollouts))
+    plan = learner.passes.plan(rollouts, {})  # the temporal law needs no proxies
     assert 0 < int(plan.cutoffs.sum()) < int(mask.sum())  # a real prefix sample
     gradients = recorded_gradients(learner)
-    full = learner.old_pass(rollouts, view)
-    prefix = learner.old_pass(rollouts, view, cutoffs=plan.cutoffs)
+    full = learner.passes.old_pass(rollouts, view)
+    prefix = learner.passes.old_pass(rollouts, view, cutoffs=plan.cutoffs)
     fed = torch.arange(mask.shape[1])[None, :] < plan.cutoffs[:, None]
     assert (prefix.logp[~fed] == 0).all() and not (full.logp[mask & ~fed] == 0).any()
     learner.correction.tolerance = 0.01
@@ -367,12 +366,12 @@ def test_prefix_only_update_gradient_is_unbiased(tmp_path, tiny_dir):
     rollouts, view = collect(trainer)
     mask, k = rollouts.batch.mask, rollouts.batch.group_size
     gradients = recorded_gradients(learner)
-    everything = sample_plan("full", cutoff_law("full", mask, k, 1.0), mask, learner.generator)
+    everything = sample_plan("full", cutoff_law("full", mask, k, 1.0), mask, learner.passes.generator)
     learner.update(rollouts, everything, view)
     full = gradients.pop()
     draws, kept = 600, []
     for _ in range(draws):
-        plan = learner.plan(rollouts, {})
+        plan = learner.passes.plan(rollouts, {})
         kept.append(float(plan.keep.sum()))
         learner.update(rollouts, plan, view)
     assert sum(kept) < 0.6 * draws * float(mask.sum())  # a real subsample
@@ -394,7 +393,7 @@ def test_the_tolerance_waits_for_a_batch_with_a_kept_token(tmp_path, tiny_dir):
     """With engine proxies DC's c comes from D_hat of the kept tokens: a first batch that kept none
     (D_hat = 0) must not set c = 0, which would push lambda up at every step after."""
     trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.ps.proxies=engine", "algo.correction=dc", "steps=2"))
-    plan, calls = trainer.learner.plan, []
+    plan, calls = trainer.learner.passes.plan, []
 
     def first_keeps_nothing(rollouts, proxies):
         drawn = plan(rollouts, proxies)
@@ -404,7 +403,7 @@ def test_the_tolerance_waits_for_a_batch_with_a_kept_token(tmp_path, tiny_dir):
         return replace(drawn, keep=torch.zeros_like(drawn.keep), weights=torch.zeros_like(drawn.weights),
                        cutoffs=torch.zeros_like(drawn.cutoffs))
 
-    trainer.learner.plan = first_keeps_nothing
+    trainer.learner.passes.plan = first_keeps_nothing
     first = trainer.step()
     correction = trainer.learner.correction
     assert correction.tolerance is None and first["ps/tokens_kept"] == 0 and first["dc/mean_D"] == 0
@@ -416,11 +415,11 @@ def test_dropout_keeps_the_no_grad_pass(tmp_path, tiny_dir):
     """The fused update takes logp_old from the graded pass, which runs in training mode: with dropout
     it would be a noisy logp_old (and delta), so the prefix no-grad pass stays."""
     plain = Trainer(toy_config(tmp_path / "a", tiny_dir, "algo.ps.proxies=engine", "model.lora.rank=4"))
-    assert plain.learner.fusable()
+    assert plain.learner.passes.fusable()
     noisy = Trainer(toy_config(tmp_path / "b", tiny_dir, "algo.ps.proxies=engine", "model.lora.rank=4",
                                "model.lora.dropout=0.1", "algo.dc.tolerance=0.01"))  # DC ready: c is known
     learner = noisy.learner
-    assert not learner.fusable() and learner.correction.ready()
+    assert not learner.passes.fusable() and learner.correction.ready()
     rollouts, view = collect(noisy)
-    prepared = learner.order.prepare(learner, rollouts, view, learner.correction)
+    prepared = learner.order.prepare(learner.passes, rollouts, view, learner.correction)
     assert prepared.old is not None and (prepared.old.logp[prepared.plan.keep] != 0).all()

@@ -16,7 +16,7 @@ from deployrl.engines import make_engine
 from deployrl.engines.base import SamplingParams, check_rollouts
 from deployrl.engines.check import KernelMismatch, check_engine, reference_logprobs
 from deployrl.engines.vllm_engine import engine_weights
-from deployrl.models import ModelSource, token_logprobs
+from deployrl.models.loading import ModelSource, token_logprobs
 
 pytestmark = pytest.mark.vllm
 EOS = 2
@@ -114,7 +114,7 @@ def randomise_adapters(model, std: float = 0.2) -> None:
 
 @pytest.mark.parametrize("option, serving", [("fp32", "adapter"), ("fp8_per_channel", "adapter"), ("fp32", "merged")])
 def test_lora_adapters_are_served_or_merged_and_follow_each_sync(model, option, serving):
-    from deployrl.lora import adapter_scales, add_lora, split_adapter
+    from deployrl.models.lora import adapter_scales, add_lora, split_adapter
 
     adapted = add_lora(copy.deepcopy(model), rank=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj", "down_proj"))
     randomise_adapters(adapted)
@@ -170,7 +170,7 @@ def tiny_dir_128(tmp_path_factory):
 def test_training_samples_from_vllm_and_syncs_every_step(tmp_path, tiny_dir_128, overrides):
     from test_trainer import toy_config
 
-    from deployrl.trainer import Trainer
+    from deployrl.training.trainer import Trainer
 
     trainer = Trainer(toy_config(tmp_path, tiny_dir_128, "rollout.engine=vllm:fp32", "steps=3", *overrides))
     history = trainer.run()
@@ -185,8 +185,8 @@ def test_training_samples_from_vllm_and_syncs_every_step(tmp_path, tiny_dir_128,
 @pytest.mark.slow
 @pytest.mark.parametrize("option", ["bf16", "fp8_per_channel"])
 def test_the_embedded_default_trains_with_vllm(tmp_path, option):
-    from deployrl.config import load_config
-    from deployrl.trainer import Trainer
+    from deployrl.settings.config import load_config
+    from deployrl.training.trainer import Trainer
 
     config = load_config(None, [f"rollout.engine=vllm:{option}", "steps=2", "rollout.max_new_tokens=24",
                                 "eval.num_prompts=2", f"output_dir={tmp_path / 'run'}", "tensorboard=false"])
@@ -202,7 +202,7 @@ def test_the_embedded_default_trains_with_vllm(tmp_path, option):
 def test_bench_engines_compares_lora_adapters_served_and_merged(tmp_path):
     import json
 
-    from deployrl.bench.engines import main
+    from deployrl.commands.bench.engines import main
 
     out = tmp_path / "lora.json"
     main(["--compare", "vllm:bf16", "--lora-rank", "4", "--prompts", "1", "-k", "2", "--tokens", "4", "--repeats", "1",

@@ -10,13 +10,13 @@ from deployrl import __version__
 
 # command -> (module whose main(argv) runs it, one line of help)
 COMMANDS = {
-    "train": ("deployrl.train_cli", "RL post-training (no arguments: the embedded default)"),
-    "eval": ("deployrl.evaluate", "score a model on a task or benchmark in a deployment engine"),
-    "selfcheck": ("deployrl.selfcheck",
+    "train": ("deployrl.commands.train", "RL post-training (no arguments: the embedded default)"),
+    "eval": ("deployrl.commands.evaluate", "score a model on a task or benchmark in a deployment engine"),
+    "selfcheck": ("deployrl.commands.selfcheck",
                   "variance of the prefix-sampled gradient per cutoff strategy on a random instance"),
-    "mismatch": ("deployrl.mismatch",
+    "mismatch": ("deployrl.commands.mismatch",
                  "sample with a deployment engine, recompute with the trainer, report the discrepancy"),
-    "bench": ("deployrl.bench", "benchmarks: update-phase speed/memory, gradient variance, whole steps, engines"),
+    "bench": ("deployrl.commands.bench", "benchmarks: update-phase speed/memory, gradient variance, whole steps, engines"),
 }
 
 

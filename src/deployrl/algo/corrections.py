@@ -36,13 +36,19 @@ import torch
 
 from deployrl.algo._tokens import real_tokens_only
 from deployrl.algo.discrepancy import (
-    dual_step, geo_mask_weights, mask_weights, seq_mask_weights, seq_tis_weights, shape_advantages, tis_weights,
+    dual_step,
+    geo_mask_weights,
+    mask_weights,
+    seq_mask_weights,
+    seq_tis_weights,
+    shape_advantages,
+    tis_weights,
     token_discrepancy,
 )
 from deployrl.registry import Registry
 
 if TYPE_CHECKING:
-    from deployrl.config import DCConfig
+    from deployrl.settings.config import DCConfig
 
 
 @dataclass

@@ -18,7 +18,7 @@ from deployrl.engines.base import LoraServing, RolloutBatch, RolloutEngine, Samp
 from deployrl.engines.gguf_io import FILE_TYPES
 from deployrl.engines.hf import PRECISIONS
 from deployrl.engines.vllm_engine import OPTIONS as VLLM_OPTIONS
-from deployrl.models import ModelSource, unwrapped
+from deployrl.models.loading import ModelSource, unwrapped
 from deployrl.registry import Registry, unknown_name_error
 
 __all__ = [
@@ -69,7 +69,7 @@ def _build_hf(model: nn.Module, settings: EngineSettings) -> RolloutEngine:
 
 def _build_llamacpp(model: nn.Module, settings: EngineSettings) -> RolloutEngine:
     from deployrl.engines.llamacpp import LlamaCppEngine
-    from deployrl.lora import adapter_scales
+    from deployrl.models.lora import adapter_scales
 
     template = settings.source.gguf_path
     check_model_file(f"llamacpp:{settings.option}", settings.source.location, template is not None)
@@ -82,7 +82,7 @@ def _build_llamacpp(model: nn.Module, settings: EngineSettings) -> RolloutEngine
 
 def _build_vllm(model: nn.Module, settings: EngineSettings) -> RolloutEngine:
     from deployrl.engines.vllm_engine import VLLMEngine
-    from deployrl.lora import adapter_scales
+    from deployrl.models.lora import adapter_scales
 
     return VLLMEngine(
         model.state_dict(), model.config, type(unwrapped(model)).__name__, settings.option,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from deployrl.models import output_head, token_logprobs
+from deployrl.models.loading import output_head, token_logprobs
 
 CHECK_TEXT = (
     "<|im_start|>user\nWhat is 7 + 5? Answer with a number.<|im_end|>\n<|im_start|>assistant\n"

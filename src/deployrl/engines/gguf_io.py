@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from deployrl.lora import Adapter
+from deployrl.models.lora import Adapter
 from deployrl.registry import unknown_name_error
 
 FILE_TYPES = {  # name -> (tensor type, general.file_type)

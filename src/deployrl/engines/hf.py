@@ -23,8 +23,8 @@ from torch import nn
 
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, Timing, pad_rollouts
 from deployrl.engines.sampling import sample_next
-from deployrl.lora import is_adapter_name
-from deployrl.models import cache_argument, checkpointing_name, is_checkpointing
+from deployrl.models.loading import cache_argument, checkpointing_name, is_checkpointing
+from deployrl.models.lora import is_adapter_name
 from deployrl.registry import unknown_name_error
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}

@@ -31,7 +31,7 @@ from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, T
 from deployrl.engines.gguf_io import FILE_TYPES, FLOAT_TYPES, GGUFTemplate, write_gguf, write_gguf_adapter
 from deployrl.engines.llama_runtime import LlamaRuntime
 from deployrl.engines.sampling import sample_next
-from deployrl.lora import split_adapter
+from deployrl.models.lora import split_adapter
 from deployrl.registry import unknown_name_error
 
 CACHE_GRANULE = 256  # KV cells are allocated in multiples of this, so small changes reuse the context

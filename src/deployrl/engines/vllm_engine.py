@@ -51,7 +51,7 @@ import torch
 
 from deployrl.engines.base import LoraServing, RolloutBatch, RolloutEngine, SamplingParams, Timing, pad_rollouts
 from deployrl.engines.check import KernelMismatch
-from deployrl.lora import Adapter, merge_adapters, split_adapter, write_adapters
+from deployrl.models.lora import Adapter, merge_adapters, split_adapter, write_adapters
 from deployrl.registry import unknown_name_error
 
 # option -> (dtype vLLM computes in, vLLM `quantization`)

@@ -2,7 +2,7 @@
 
 A task comes from a JSONL or Parquet file, a Hugging Face dataset (`records`), a reasoning-gym
 procedural generator (`reasoning_gym`), or one of the math benchmarks shipped in
-``data/benchmarks`` (`benchmarks`); its settings are the classes of `deployrl.task_settings`.
+``data/benchmarks`` (`benchmarks`); its settings are the classes of `deployrl.settings.task`.
 ``load_task`` reads and validates every example before it returns (the trainer calls it before
 loading a model): a bad file fails at once with the file, the line and the field. With
 ``on_bad_example: skip`` a malformed example (bad JSON, bytes that are not UTF-8, a missing,
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 
-from deployrl.rewards import get_reward
-from deployrl.task_settings import (  # the settings, for `load_task(JsonlTask(path=...))`
+from deployrl.rewards.grading import get_reward
+from deployrl.settings.task import (  # the settings, for `load_task(JsonlTask(path=...))`
     BenchmarkTask,
     FileSource,
     HFTask,

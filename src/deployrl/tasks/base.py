@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-from deployrl.prompts import Prompt
 from deployrl.registry import Registry
-from deployrl.rewards import RewardFn
-from deployrl.task_settings import TaskConfig
+from deployrl.rewards.grading import RewardFn
+from deployrl.settings.task import TaskConfig
+from deployrl.tasks.prompts import Prompt
 
 
 class TaskDataError(ValueError):

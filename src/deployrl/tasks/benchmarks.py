@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from deployrl.registry import unknown_name_error
-from deployrl.rewards import last_boxed
-from deployrl.task_settings import BenchmarkTask
+from deployrl.rewards.grading import last_boxed
+from deployrl.settings.task import BenchmarkTask
 from deployrl.tasks.base import LOADERS, BadExamples, Example, TaskDataError, make_prompt
 from deployrl.tasks.records import json_lines
 

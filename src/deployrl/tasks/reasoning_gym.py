@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from deployrl.task_settings import ReasoningGymTask
+from deployrl.settings.task import ReasoningGymTask
 from deployrl.tasks.base import LOADERS, BadExamples, Example, TaskDataError, make_prompt
 
 

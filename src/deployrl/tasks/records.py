@@ -11,9 +11,10 @@ import math
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from deployrl.prompts import Prompt
-from deployrl.task_settings import HFTask, JsonlTask, ParquetTask, RecordSource
+from deployrl.settings.task import HFTask, JsonlTask, ParquetTask, RecordSource
 from deployrl.tasks.base import LOADERS, BadExamples, Example, TaskDataError, make_prompt
+from deployrl.tasks.prompts import Prompt
+
 
 def _check_encodable(text: str, where: str, field_name: str) -> None:
     """Refuse text that UTF-8 cannot encode: a lone surrogate (the JSON escape "\\ud800"), which

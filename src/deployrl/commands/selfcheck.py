@@ -21,9 +21,9 @@ import torch
 
 from deployrl.algo._checks import check_positive
 from deployrl.algo.prefix import STRATEGIES, cutoff_law, sample_plan
-from deployrl.config import PSConfig
-from deployrl.configcli import CommandLine, Flag
-from deployrl.configdoc import setting
+from deployrl.settings.command_line import CommandLine, Flag
+from deployrl.settings.config import PSConfig
+from deployrl.settings.docs import setting
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deployrl.config import TrainConfig
-    from deployrl.configcli import CommandLine
+    from deployrl.settings.command_line import CommandLine
+    from deployrl.settings.config import TrainConfig
 
     command_line = CommandLine(
         "deployrl train", TrainConfig,
@@ -29,13 +29,13 @@ def main(argv: list[str] | None = None) -> int:
                                           " and with LoRA the peft adapter and a llama.cpp GGUF adapter")
     config, args = command_line.parse(argv)
 
-    from deployrl.checkpoint import CheckpointError, latest_checkpoint
-    from deployrl.distributed import close_world
-    from deployrl.models import UnsupportedModelError
-    from deployrl.runlog import RunDirectoryError
-    from deployrl.tasks import TaskDataError
     from deployrl.errors import TrainingError, TrainingInterrupted
-    from deployrl.trainer import Trainer
+    from deployrl.models.loading import UnsupportedModelError
+    from deployrl.tasks import TaskDataError
+    from deployrl.training.checkpoint import CheckpointError, latest_checkpoint
+    from deployrl.training.distributed import close_world
+    from deployrl.training.runlog import RunDirectoryError
+    from deployrl.training.trainer import Trainer
 
     resume_command = shlex.join(
         ["deployrl", "train", *args.items, *(["--export", args.export] if args.export else []), "--resume"]
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
               f" resume with: {resume_command}", file=sys.stderr)
         return 1
     if trainer.world.is_main:  # what the run bought, from its whole metrics.jsonl (resumed runs too)
-        from deployrl.runlog import METRICS, read_jsonl, run_summary
+        from deployrl.training.runlog import METRICS, read_jsonl, run_summary
 
         rows = read_jsonl(trainer.run_dir / METRICS)
         print("\n".join([f"done: {trainer.run_dir}", *run_summary(rows, config.rollout.engine)]))

@@ -1,6 +1,6 @@
 """The settings of a run's task section: one frozen dataclass per task source, picked by `type`.
 
-These are the schema that `deployrl.config` builds from YAML and overrides; `deployrl.tasks`
+These are the schema that `deployrl.settings.config` builds from YAML and overrides; `deployrl.tasks`
 reads the examples they describe. Validation here needs no data: a bad key, an unknown
 benchmark or reasoning-gym dataset, or an unknown reward fails when the config is built.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import ClassVar, Optional, Union
 
 from deployrl.registry import unknown_name_error
-from deployrl.rewards import get_reward
+from deployrl.rewards.grading import get_reward
 
 BAD_EXAMPLE_ACTIONS = ("stop", "skip")
 
@@ -195,7 +195,7 @@ class BenchmarkTask(TaskSource):
             _check_not_blank(self, "path")
 
 
-# A task section: the source named by its `type` (configio builds the class whose type it names).
+# A task section: the source named by its `type` (settings.parsing builds the class whose type it names).
 TaskConfig = Union[JsonlTask, ParquetTask, HFTask, ReasoningGymTask, BenchmarkTask]
 
 

@@ -1,9 +1,9 @@
-"""Checkpoints that resume a run exactly (the export for deployment is `deployrl.export`).
+"""Checkpoints that resume a run exactly (the export for deployment is `deployrl.training.export`).
 
 A checkpoint is a directory ``run_dir/checkpoints/step_{step:08d}/``::
 
     model/                   save_pretrained (safetensors) + tokenizer: from_pretrained loads it;
-                             a LoRA run's adapter alone, in peft's layout (deployrl.lora)
+                             a LoRA run's adapter alone, in peft's layout (deployrl.models.lora)
     optimizer.safetensors    tensors of the optimizer state, keyed "state.{parameter name}.{name}"
     optimizer.json           the rest of it (param_groups, python-number state), tensors by key
     shards/                  instead of optimizer.*, when saved by several ranks (below)
@@ -65,8 +65,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from deployrl.distributed import World, barrier
-from deployrl.lora import ADAPTER_WEIGHTS, adapter_state, has_adapters, load_adapter, save_adapter
+from deployrl.models.lora import ADAPTER_WEIGHTS, adapter_state, has_adapters, load_adapter, save_adapter
+from deployrl.training.distributed import World, barrier
 
 GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # this rank's shards, optimizer keyed "state.{name}.{key}"

@@ -6,9 +6,9 @@ checked before any model or data loads. `TrainConfig()` with no file is the embe
 SmolLM2-135M-Instruct on reasoning-gym arithmetic, fp32 trainer, llama.cpp Q4_1 sampling,
 DC-GRPO + PS-PPO, sized for about ten minutes on two CPU cores.
 
-Each field's help is written once, on the field (`configdoc.setting`): flags, `--print-config`
+Each field's help is written once, on the field (`settings.docs.setting`): flags, `--print-config`
 and docs/settings.md are generated from it. The closed vocabularies of this module's settings are
-`Choice` enums (`Schedule`, `DynamicSampling`, `EngineRanks`); the rest of the code asks the
+`Choice` enums (`ProxySource`, `Schedule`, `DynamicSampling`, `EngineRanks`); the rest of the code asks the
 config (`OptimConfig.decays`, `AlgoConfig.refill_rounds`, `RolloutConfig.every_rank_samples`)
 instead of comparing their names.
 """
@@ -25,17 +25,22 @@ from deployrl.algo.corrections import CORRECTIONS
 from deployrl.algo.discrepancy import PENALTIES, SIGNALS, check_dual_settings
 from deployrl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, check_loss_settings
 from deployrl.algo.prefix import STRATEGIES, UNCERTAINTY_METRICS, check_law_settings
-from deployrl.configdoc import setting
-from deployrl.configio import Override, load
 from deployrl.engines import (
-    ENGINES, LoraServing, check_model_file, engine_help, lora_serving_help, parse_engine_spec, serves_lora,
+    ENGINES,
+    LoraServing,
+    check_model_file,
+    engine_help,
+    lora_serving_help,
+    parse_engine_spec,
+    serves_lora,
 )
 from deployrl.engines.base import SamplingParams
 from deployrl.engines.llama_runtime import MAX_SEQUENCES
-from deployrl.model_settings import ALIASES, DTYPES
-from deployrl.ps_orders import PS_ORDERS
 from deployrl.registry import Choice, unknown_name_error
-from deployrl.task_settings import ReasoningGymTask, TaskConfig
+from deployrl.settings.docs import setting
+from deployrl.settings.model import ALIASES, DTYPES
+from deployrl.settings.parsing import Override, load
+from deployrl.settings.task import ReasoningGymTask, TaskConfig
 
 # The embedded default's task: one-digit additions and subtractions, which SmolLM2-135M answers
 # correctly about a fifth of the time at temperature 1 (its last number, without the tags).
@@ -49,6 +54,15 @@ def default_task() -> ReasoningGymTask:
     return ReasoningGymTask(
         name="basic_arithmetic", rg_config=dict(EASY_ARITHMETIC), size=2000, instruction="Answer with only the final number."
     )
+
+
+class ProxySource(Choice):
+    """Where the cutoff law's inputs come from, and so the order of a PS-PPO step (`algo.ps.proxies`);
+    each is a registered order in `deployrl.training.ps_orders`."""
+
+    ENGINE = "engine", ("what the rollout engine reported while sampling; the trainer never passes a token past a"
+                        " row's cutoff")
+    TRAINER = "trainer", "a no-grad pass over every token first, then the law from its proxies"
 
 
 class Schedule(Choice):
@@ -222,10 +236,8 @@ class PSConfig:
     budget: float = setting(16.0, "B: expected backpropagated tokens per completion")
     xi_min: float = setting(0.02, "smallest inclusion probability; xi_min x max_new_tokens <= budget")
     uncertainty: str = setting("tv", "distance for the reward uncertainty u: tv or l2")
-    proxies: str = setting("engine", "where the cutoff law's inputs come from, and so the order of a step: engine"
-                                     " (what the rollout engine reported while sampling; the trainer never passes a"
-                                     " token past a row's cutoff) or trainer (a no-grad pass over every token first,"
-                                     " then the law from its proxies); docs/algorithms.md, \"Prefix-only update\"")
+    proxies: str = setting("engine", f"where the cutoff law's inputs come from, and so the order of a step: "
+                                     f"{ProxySource.described()} (docs/algorithms.md, \"Prefix-only update\")")
     top_m: int = setting(16, "with engine proxies: most likely tokens per sampled distribution the engine reports"
                              " (for u)")
 
@@ -234,12 +246,7 @@ class PSConfig:
         _choice("cutoff strategy", self.strategy, STRATEGIES.names())
         check_law_settings(self.budget, self.xi_min)  # the law's own bounds
         _choice("uncertainty metric", self.uncertainty, UNCERTAINTY_METRICS)
-        _choice("proxy source", self.proxies, PS_ORDERS.names())
-
-    def engine_proxies(self) -> tuple[str, ...]:
-        """The proxies of the cutoff law that the rollout engine reports while sampling (none for a
-        law without proxies, or when the trainer computes them)."""
-        return PS_ORDERS.get(self.proxies).engine_proxies(self.strategy)
+        _choice("proxy source", self.proxies, ProxySource.names())
 
 
 @dataclass(frozen=True)

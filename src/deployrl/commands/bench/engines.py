@@ -31,13 +31,19 @@ from typing import Optional
 import torch
 
 from deployrl.algo._checks import check_non_negative, check_positive
-from deployrl.bench.measure import timed
-from deployrl.configcli import CommandLine, Flag
-from deployrl.configdoc import setting
+from deployrl.commands.bench.measure import timed
 from deployrl.engines import (
-    ENGINES, LoraServing, engine_help, engine_kind, lora_serving_help, parse_engine_spec, serves_lora,
+    ENGINES,
+    LoraServing,
+    engine_help,
+    engine_kind,
+    lora_serving_help,
+    parse_engine_spec,
+    serves_lora,
 )
 from deployrl.engines.base import SamplingParams
+from deployrl.settings.command_line import CommandLine, Flag
+from deployrl.settings.docs import setting
 
 
 @dataclass(frozen=True)
@@ -136,11 +142,11 @@ def take_turns(samplers: dict[str, Callable], config: EnginesBenchConfig) -> Ite
 
 def main(argv: list[str] | None = None) -> int:
     config, _ = CommandLine("deployrl bench engines", EnginesBenchConfig, __doc__.split("\n\n")[0], FLAGS).parse(argv)
-    from deployrl.config import default_task
     from deployrl.engines import make_engine
-    from deployrl.models import end_token_ids, load_model, load_tokenizer, resolve_model
-    from deployrl.prompts import encode_prompts
+    from deployrl.models.loading import end_token_ids, load_model, load_tokenizer, resolve_model
+    from deployrl.settings.config import default_task
     from deployrl.tasks import load_task
+    from deployrl.tasks.prompts import encode_prompts
 
     torch.set_num_threads(1)  # the sampler's small ops; llama.cpp has its own threads
     source = resolve_model("smollm2-135m")
@@ -189,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
 def add_trained_lora(model, rank: int) -> None:
     """LoRA adapters of `rank` on the default targets, B drawn small (std 1e-3) so that they change the
     model as a few training steps do (B = 0, peft's start, would let an engine skip them unnoticed)."""
-    from deployrl.config import LORA_TARGETS
-    from deployrl.lora import add_lora
+    from deployrl.models.lora import add_lora
+    from deployrl.settings.config import LORA_TARGETS
 
     add_lora(model, rank, 2.0 * rank, 0.0, LORA_TARGETS)
     with torch.no_grad(), torch.random.fork_rng():

@@ -30,7 +30,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from deployrl.rewards import RewardFn
+from deployrl.rewards.grading import RewardFn
 from deployrl.timeout import call_with_timeout
 
 logger = logging.getLogger(__name__)
@@ -100,10 +100,10 @@ class _Worker:
     def __init__(self) -> None:
         task_r, task_w = os.pipe()
         result_r, result_w = os.pipe()
-        src_dir = str(Path(__file__).resolve().parents[1])
+        src_dir = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([src_dir] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        code = f"from deployrl.reward_sandbox import _worker_main; _worker_main({task_r}, {result_w})"
+        code = f"from deployrl.rewards.sandbox import _worker_main; _worker_main({task_r}, {result_w})"
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", code], pass_fds=(task_r, result_w), env=env, stdin=subprocess.DEVNULL

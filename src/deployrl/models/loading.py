@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 
 from deployrl.algo.logprobs import RAW, SamplingView, TokenStats, chunked_token_stats
-from deployrl.model_settings import ALIASES, DTYPES
 from deployrl.registry import unknown_name_error
+from deployrl.settings.model import ALIASES, DTYPES
 
 
 @dataclass(frozen=True)

@@ -22,22 +22,37 @@ from typing import Callable, Optional
 import torch
 
 from deployrl.algo.advantages import zero_variance_groups
-from deployrl.config import TrainConfig
-from deployrl.distributed import World, all_gather_rows, all_reduce_sum, any_rank, contiguous_shares, gather_in_order
 from deployrl.engines import make_engine
 from deployrl.engines.base import (
-    SEED_STRIDE, SEMANTICS, RolloutBatch, RolloutEngine, SamplingParams, Timing, check_rollouts, no_token_stats,
+    SEED_STRIDE,
+    SEMANTICS,
+    RolloutBatch,
+    RolloutEngine,
+    SamplingParams,
+    Timing,
+    check_rollouts,
+    no_token_stats,
     pad_rollouts,
 )
 from deployrl.engines.check import check_engine, check_ids, reference_logprobs, reference_on
 from deployrl.errors import EngineError, EngineTimeout, RewardFailure
-from deployrl.models import ModelSource, end_token_ids, load_model, output_head
-from deployrl.prompts import encode_prompts
-from deployrl.reward_sandbox import score_completions
-from deployrl.rewards import overlong_penalty
-from deployrl.runlog import EVENTS
+from deployrl.models.loading import ModelSource, end_token_ids, load_model, output_head
+from deployrl.rewards.grading import overlong_penalty
+from deployrl.rewards.sandbox import score_completions
+from deployrl.settings.config import TrainConfig
 from deployrl.tasks import Example, Task
+from deployrl.tasks.prompts import encode_prompts
 from deployrl.timeout import call_with_timeout
+from deployrl.training.distributed import (
+    World,
+    all_gather_rows,
+    all_reduce_sum,
+    any_rank,
+    contiguous_shares,
+    gather_in_order,
+)
+from deployrl.training.ps_orders import PS_ORDERS
+from deployrl.training.runlog import EVENTS
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +161,7 @@ class RolloutWorker:
         self.end_tokens = end_token_ids(tokenizer, model)
         self.samples = world.is_main or config.rollout.every_rank_samples
         ps = config.algo.ps  # the engine reports the distribution statistics the cutoff law is solved from
-        self.top_m = ps.top_m if ps.engine_proxies() else 0
+        self.top_m = ps.top_m if PS_ORDERS.get(ps.proxies).engine_proxies(ps.strategy) else 0
         # the kernel self-check's sequence, scored by the model now (before sharding: every rank alone)
         self.check_ids = check_ids(tokenizer, self.vocab_size)
         self.reference = reference_logprobs(model, self.check_ids)

@@ -4,11 +4,11 @@
 ``field(metadata={"help": ...})`` does; the help may be a function (the engine fields' lists every
 engine the registry holds when it is read). Everything else is generated from it:
 
-* the help of a command-line flag that aliases a field (`configcli.Flag` without its own help);
+* the help of a command-line flag that aliases a field (`settings.command_line.Flag` without its own help);
 * `--print-config`: the resolved settings as YAML, each key with its help as a comment
   (`commented_yaml`, which reads back as the same settings);
 * docs/settings.md, the settings of every command (`settings_markdown`;
-  ``python -m deployrl.configdoc > docs/settings.md`` rewrites it, tests/test_settings_docs.py
+  ``python -m deployrl.settings.docs > docs/settings.md`` rewrites it, tests/test_settings_docs.py
   checks that it is in step with the code).
 
 A field redeclared by a subclass with a new default and no help keeps its parent's help.
@@ -26,20 +26,20 @@ from typing import Any, Callable, Iterator, Union
 
 import yaml
 
-from deployrl.configio import to_dict
+from deployrl.settings.parsing import to_dict
 
 Help = Union[str, Callable[[], str]]
 
 # The settings of each command, in the order docs/settings.md lists them: "module:class".
 COMMAND_CONFIGS = {
-    "deployrl train": "deployrl.config:TrainConfig",
-    "deployrl eval": "deployrl.evaluate:EvalCommandConfig",
-    "deployrl mismatch": "deployrl.mismatch:MismatchConfig",
-    "deployrl selfcheck": "deployrl.selfcheck:SelfCheckConfig",
-    "deployrl bench update": "deployrl.bench.update:UpdateBenchConfig",
-    "deployrl bench variance": "deployrl.bench.variance:VarianceBenchConfig",
-    "deployrl bench step": "deployrl.bench.step:StepBenchConfig",
-    "deployrl bench engines": "deployrl.bench.engines:EnginesBenchConfig",
+    "deployrl train": "deployrl.settings.config:TrainConfig",
+    "deployrl eval": "deployrl.commands.evaluate:EvalCommandConfig",
+    "deployrl mismatch": "deployrl.commands.mismatch:MismatchConfig",
+    "deployrl selfcheck": "deployrl.commands.selfcheck:SelfCheckConfig",
+    "deployrl bench update": "deployrl.commands.bench.update:UpdateBenchConfig",
+    "deployrl bench variance": "deployrl.commands.bench.variance:VarianceBenchConfig",
+    "deployrl bench step": "deployrl.commands.bench.step:StepBenchConfig",
+    "deployrl bench engines": "deployrl.commands.bench.engines:EnginesBenchConfig",
 }
 
 
@@ -145,7 +145,7 @@ def settings_markdown() -> str:
         "# Settings",
         "",
         "Every setting of every command, its default and its meaning, generated from the help written on",
-        "each config field (`configdoc.setting`); do not edit by hand: `python -m deployrl.configdoc >",
+        "each config field (`settings.docs.setting`); do not edit by hand: `python -m deployrl.settings.docs >",
         "docs/settings.md` rewrites it and tests/test_settings_docs.py checks it is in step with the code.",
         "Sections are YAML mappings (`rollout: {engine: hf:bf16}`) or dotted overrides",
         "(`rollout.engine=hf:bf16`); `--print-config` prints the resolved settings with these comments.",

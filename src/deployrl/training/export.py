@@ -2,7 +2,7 @@
 llama.cpp file; a LoRA run's adapter besides, in peft's and llama.cpp's layouts.
 
 Each folder is written in a temporary folder and renamed into place, as checkpoints are
-(`deployrl.checkpoint`, whose file helpers this module shares).
+(`deployrl.training.checkpoint`, whose file helpers this module shares).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Mapping, Optional
 
 import torch
 
-from deployrl.checkpoint import fsync_dir, fsync_file, move_into_place, save_model, sync_tree, unwrap
-from deployrl.lora import has_adapters
+from deployrl.models.lora import has_adapters
+from deployrl.training.checkpoint import fsync_dir, fsync_file, move_into_place, save_model, sync_tree, unwrap
 
 
 def _write_folder(out: Path, write) -> Path:
@@ -54,7 +54,7 @@ def export_model(
     exact trained model on the template's own base, where a merged quantised file rounds the update.
     """
     from deployrl.engines.gguf_io import FILE_TYPES, GGUFTemplate, write_gguf, write_gguf_adapter
-    from deployrl.lora import adapter_scales, is_adapter_name, merge_adapters, saved_name, split_adapter
+    from deployrl.models.lora import adapter_scales, is_adapter_name, merge_adapters, saved_name, split_adapter
     from deployrl.registry import unknown_name_error
 
     if gguf_template is not None:

@@ -19,15 +19,22 @@ from typing import Optional
 import torch
 
 from deployrl.algo.discrepancy import SIGNALS, discrepancy_summary, token_discrepancy
-from deployrl.configcli import CommandLine, Flag
-from deployrl.configdoc import setting
 from deployrl.engines import check_model_file, engine_help, make_engine, parse_engine_spec
-from deployrl.engines.check import verify_engine
 from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
-from deployrl.model_settings import DTYPES
-from deployrl.models import ModelSource, end_token_ids, load_model, load_tokenizer, resolve_model, token_logprobs
-from deployrl.prompts import encode_prompts
+from deployrl.engines.check import verify_engine
+from deployrl.models.loading import (
+    ModelSource,
+    end_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+    token_logprobs,
+)
 from deployrl.registry import unknown_name_error
+from deployrl.settings.command_line import CommandLine, Flag
+from deployrl.settings.docs import setting
+from deployrl.settings.model import DTYPES
+from deployrl.tasks.prompts import encode_prompts
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,7 @@ def checked_source(config: MismatchConfig) -> ModelSource:
 
 
 def run(config: MismatchConfig) -> dict[str, object]:
-    from deployrl.config import default_task
+    from deployrl.settings.config import default_task
     from deployrl.tasks import load_prompt_file, load_task
 
     if config.prompts:

@@ -42,15 +42,15 @@ from typing import Optional
 
 import torch
 
+from deployrl.algo._checks import check_positive
 from deployrl.algo.logprobs import SamplingView, processed_logits
 from deployrl.algo.losses import batch_denominator
 from deployrl.algo.prefix import STRATEGIES, cutoff_law, engine_proxies, law_weights, sample_plan
-from deployrl.algo._checks import check_positive
-from deployrl.bench.measure import cpu_name, table
-from deployrl.configcli import CommandLine, Flag
-from deployrl.configdoc import setting
-from deployrl.configio import ConfigError, split_config_items
+from deployrl.commands.bench.measure import cpu_name, table
 from deployrl.registry import unknown_name_error
+from deployrl.settings.command_line import CommandLine, Flag
+from deployrl.settings.docs import setting
+from deployrl.settings.parsing import ConfigError, split_config_items
 
 BUDGETS = (32, 64, 128, 256)
 SAMPLED = ("uniform", "temporal", "heuristic", "optimized", "sgrpo", "heuristic:engine", "optimized:engine")
@@ -135,7 +135,7 @@ def loss_coefficients(trainer, rollouts, old) -> torch.Tensor:
 
 def collect_groups(trainer, groups: int, max_rounds: int):
     """Sample steps until `groups` prompt groups with unequal rewards are gathered."""
-    from deployrl.rollout import Rollouts
+    from deployrl.training.rollout import Rollouts
 
     parts = []
     for round_ in range(max_rounds):
@@ -173,7 +173,7 @@ def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: i
             top_m: tuple[int, ...] = TOP_M) -> dict:
     """All the benchmark's numbers for one trainer (model, engine, task)."""
     from deployrl.engines.base import trainer_view
-    from deployrl.models import completion_hidden, output_head
+    from deployrl.models.loading import completion_hidden, output_head
 
     cfg = trainer.config
     trainer.rollout.top_m = max(top_m)  # the engine reports its statistics for the :engine laws
@@ -181,7 +181,7 @@ def measure(trainer, budgets, strategies, draws: int, groups: int, max_rounds: i
     batch = rollouts.batch
     view = trainer_view(batch.semantics, cfg.rollout.sampling(seed=0))
     learner, k = trainer.learner, batch.group_size
-    old = learner.old_pass(rollouts, view, proxies=("entropy", "grad_norm", "uncertainty"))
+    old = learner.passes.old_pass(rollouts, view, proxies=("entropy", "grad_norm", "uncertainty"))
     coef = loss_coefficients(trainer, rollouts, old)
     real = batch.mask.bool()
     row = torch.arange(real.shape[0])[:, None].expand_as(real)[real]
@@ -294,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench, args = command_line.parse(argv)
 
-    from deployrl.config import load_config
-    from deployrl.trainer import Trainer
+    from deployrl.settings.config import load_config
+    from deployrl.training.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as run_dir:
         try:

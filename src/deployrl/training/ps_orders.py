@@ -5,7 +5,7 @@ how far the trainer's no-grad pass runs and how mean D is measured.
   law. mean D is exact.
 * ``engine``: the law from what the rollout engine reported while sampling, then a no-grad pass
   over each row's prefix up to its cutoff only, or none at all when the update can take logp_old
-  from its own graded pass (`Learner.fusable`: one PPO epoch, one mini-batch, no KL term, no
+  from its own graded pass (`Passes.fusable`: one PPO epoch, one mini-batch, no KL term, no
   dropout) and the correction can weigh the batch unmeasured (`Correction.ready`). mean D is the
   unbiased estimate from the kept tokens (`discrepancy_estimate`). A correction that needs whole
   rows (`Correction.whole_sequence`) gets a no-grad pass over every token, and an exact mean D.
@@ -23,11 +23,12 @@ from deployrl.algo.corrections import Correction, Measured
 from deployrl.algo.discrepancy import discrepancy_estimate, token_discrepancy, trajectory_discrepancy
 from deployrl.algo.prefix import STRATEGIES, PrefixPlan
 from deployrl.registry import Registry
+from deployrl.settings.config import ProxySource
 
 if TYPE_CHECKING:
     from deployrl.algo.logprobs import SamplingView
-    from deployrl.learner import Learner, OldPass
-    from deployrl.rollout import Rollouts
+    from deployrl.training.passes import OldPass, Passes
+    from deployrl.training.rollout import Rollouts
 
 
 @dataclass
@@ -44,21 +45,22 @@ class Prepared:
 class ProxyOrder:
     """How one step orders the no-grad pass and the cutoff law; `source` is where the law's proxies come from."""
 
-    source = "trainer"
+    source = ProxySource.TRAINER
 
     def trainer_proxies(self, strategy: str) -> tuple[str, ...]:
         """The proxies of `strategy` the trainer's no-grad pass computes."""
-        return STRATEGIES.get(strategy).proxies if self.source == "trainer" else ()
+        return STRATEGIES.get(strategy).proxies if self.source is ProxySource.TRAINER else ()
 
     def engine_proxies(self, strategy: str) -> tuple[str, ...]:
         """The proxies of `strategy` the engine reports while sampling."""
-        return STRATEGIES.get(strategy).proxies if self.source == "engine" else ()
+        return STRATEGIES.get(strategy).proxies if self.source is ProxySource.ENGINE else ()
 
-    def prepare(self, learner: "Learner", rollouts: "Rollouts", view: "SamplingView", correction: Correction) -> Prepared:
+    def prepare(self, passes: "Passes", rollouts: "Rollouts", view: "SamplingView", correction: Correction) -> Prepared:
+        """The step's cutoff plan and no-grad pass, run with the model's `passes`."""
         start = time.perf_counter()
-        old = learner.old_pass(rollouts, view)
+        old = passes.old_pass(rollouts, view, self.trainer_proxies(passes.config.algo.ps.strategy))
         middle = time.perf_counter()
-        plan = learner.plan(rollouts, old.proxies())
+        plan = passes.plan(rollouts, old.proxies())
         seconds = {"old_pass": middle - start, "plan": time.perf_counter() - middle}
         return Prepared(plan, old, rollouts.batch.mask.bool(), True, seconds)
 
@@ -75,24 +77,25 @@ class ProxyOrder:
 
 
 PS_ORDERS: Registry[ProxyOrder] = Registry("proxy source")
-PS_ORDERS.register("trainer")(ProxyOrder())
+PS_ORDERS.register(ProxySource.TRAINER)(ProxyOrder())
 
 
 class EngineFirst(ProxyOrder):
-    source = "engine"
+    source = ProxySource.ENGINE
 
-    def prepare(self, learner, rollouts, view, correction):
+    def prepare(self, passes, rollouts, view, correction):
         start = time.perf_counter()
-        plan = learner.plan(rollouts, learner.engine_proxies(rollouts))  # the trainer sees each row up to its cutoff only
+        proxies = passes.engine_proxies(rollouts) if self.engine_proxies(passes.config.algo.ps.strategy) else {}
+        plan = passes.plan(rollouts, proxies)  # the trainer sees each row up to its cutoff only
         middle = time.perf_counter()
         mask = rollouts.batch.mask.bool()
         if correction.whole_sequence:
-            old, known = learner.old_pass(rollouts, view), mask
+            old, known = passes.old_pass(rollouts, view), mask
         else:
-            old = None if learner.fusable() and correction.ready() else learner.old_pass(rollouts, view, cutoffs=plan.cutoffs)
+            old = None if passes.fusable() and correction.ready() else passes.old_pass(rollouts, view, cutoffs=plan.cutoffs)
             known = mask & (torch.arange(mask.shape[1])[None, :] < plan.cutoffs[:, None])
         seconds = {"plan": middle - start, "old_pass": time.perf_counter() - middle}
         return Prepared(plan, old, known, correction.whole_sequence, seconds)
 
 
-PS_ORDERS.register("engine")(EngineFirst())
+PS_ORDERS.register(ProxySource.ENGINE)(EngineFirst())

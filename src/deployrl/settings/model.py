@@ -1,7 +1,7 @@
 """The names a run's model section accepts: model aliases and training precisions.
 
-Part of the settings schema (`deployrl.config` checks `model.name` and `model.dtype` against
-them); `deployrl.models` resolves an alias and loads the model in the precision named here.
+Part of the settings schema (`deployrl.settings.config` checks `model.name` and `model.dtype` against
+them); `deployrl.models.loading` resolves an alias and loads the model in the precision named here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The command line of every deployrl command: one config dataclass from a file, flags and overrides.
 
 A command's settings are one validated, frozen dataclass. `CommandLine.parse` builds it through
-`configio.load` from, in order (later ones win):
+`settings.parsing.load` from, in order (later ones win):
 
 * an optional YAML file, the first positional argument;
 * flags, each an alias of one key (`--num-prompts 5` is `num_prompts=5`, values in YAML syntax);
@@ -10,7 +10,7 @@ A command's settings are one validated, frozen dataclass. `CommandLine.parse` bu
 So every command reports an unknown key (with the nearest valid one), a value of the wrong type
 or out of range, and a bad file (with its line) the same way, before anything loads, and
 `--print-config` shows the resolved settings. A flag's help is its key's help, written once on
-the config field (`configdoc.setting`), unless the flag does more than set the key.
+the config field (`settings.docs.setting`), unless the flag does more than set the key.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, NoReturn, Optional, Sequence
 
-from deployrl.configdoc import commented_yaml, key_help
-from deployrl.configio import ConfigError, load, parse_value, split_config_items
+from deployrl.settings.docs import commented_yaml, key_help
+from deployrl.settings.parsing import ConfigError, load, parse_value, split_config_items
 
 NO_VALUE = object()  # a flag whose `const` is this takes an argument
 

@@ -13,7 +13,7 @@ Built-ins (``REWARDS``):
 
 Every reward here is a pure function of its arguments: no processes, threads or time limits
 (module state is limited to caches). Grading can take unbounded time (sympy on a pathological
-expression): ``deployrl.reward_sandbox.score_completions`` runs rewards under a time limit. A
+expression): ``deployrl.rewards.sandbox.score_completions`` runs rewards under a time limit. A
 reward's ``_deployrl_prepare`` attribute, if any, does its slow imports; the sandbox runs it
 before the clock starts. Answer extraction is linear in the completion's length, so model
 output full of unclosed braces or tags is scanned in milliseconds.
@@ -313,7 +313,7 @@ def get_reward(name: str) -> RewardFn:
 
     >>> get_reward("math") is math_reward
     True
-    >>> get_reward("deployrl.rewards:format_reward") is format_reward
+    >>> get_reward("deployrl.rewards.grading:format_reward") is format_reward
     True
     >>> get_reward("maths")
     Traceback (most recent call last):

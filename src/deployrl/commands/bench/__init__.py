@@ -14,10 +14,10 @@ import argparse
 import importlib
 
 COMMANDS = {
-    "update": ("deployrl.bench.update", "update-phase wall time and peak memory: full GRPO, DAPO, S-GRPO, PS-PPO"),
-    "variance": ("deployrl.bench.variance", "gradient variance and cosine similarity per cutoff strategy and budget"),
-    "step": ("deployrl.bench.step", "seconds and peak memory per training step, optionally against TRL"),
-    "engines": ("deployrl.bench.engines", "llama.cpp tokens/s: one completion at a time vs batched, per K and length"),
+    "update": ("deployrl.commands.bench.update", "update-phase wall time and peak memory: full GRPO, DAPO, S-GRPO, PS-PPO"),
+    "variance": ("deployrl.commands.bench.variance", "gradient variance and cosine similarity per cutoff strategy and budget"),
+    "step": ("deployrl.commands.bench.step", "seconds and peak memory per training step, optionally against TRL"),
+    "engines": ("deployrl.commands.bench.engines", "llama.cpp tokens/s: one completion at a time vs batched, per K and length"),
 }
 
 

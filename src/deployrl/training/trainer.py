@@ -38,26 +38,26 @@ import numpy as np
 import torch
 
 from deployrl.algo.discrepancy import discrepancy_summary
-from deployrl.checkpoint import (
+from deployrl.engines.base import trainer_view
+from deployrl.engines.check import reference_logprobs
+from deployrl.errors import NonFiniteError, StopSignals, TrainingInterrupted
+from deployrl.models.loading import load_model, load_tokenizer, resolve_model
+from deployrl.models.lora import add_lora
+from deployrl.settings.config import TrainConfig, held_out_task
+from deployrl.settings.parsing import to_dict
+from deployrl.tasks import Task, load_task
+from deployrl.training.checkpoint import (
     checkpoint_path,
     checkpoint_step,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from deployrl.config import TrainConfig, held_out_task
-from deployrl.configio import to_dict
-from deployrl.distributed import World, all_reduce_sum, full_state_dict, init_world
-from deployrl.engines.base import trainer_view
-from deployrl.engines.check import reference_logprobs
-from deployrl.errors import NonFiniteError, StopSignals, TrainingInterrupted
-from deployrl.export import export_model
-from deployrl.learner import Learned, Learner, UpdateResult
-from deployrl.lora import add_lora
-from deployrl.models import load_model, load_tokenizer, resolve_model
-from deployrl.rollout import PromptStream, Rollouts, RolloutWorker
-from deployrl.runlog import EVENTS, RunLogger, SilentLogger, check_writable, format_postfix, progress
-from deployrl.tasks import Task, load_task
+from deployrl.training.distributed import World, all_reduce_sum, full_state_dict, init_world
+from deployrl.training.export import export_model
+from deployrl.training.learner import Learned, Learner, UpdateResult
+from deployrl.training.rollout import PromptStream, Rollouts, RolloutWorker
+from deployrl.training.runlog import EVENTS, RunLogger, SilentLogger, check_writable, format_postfix, progress
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Trainer:
         if self.resumed_from is not None:
             learner = self.learner
             saved = load_checkpoint(self.resumed_from, self.model, learner.optimizer, learner.scheduler,
-                                    {"plan": learner.generator}, verify=False)
+                                    {"plan": learner.passes.generator}, verify=False)
             self.state = TrainState.from_saved(saved)
             self.learner.correction.load_state_dict(self.state.correction)
             self.sync_engine()
@@ -152,7 +152,7 @@ class Trainer:
     def sync_engine(self) -> None:
         """Give this rank's engine (if it has one) the model's current weights; every rank calls it."""
         weights = self.engine_weights()
-        reference = reference_logprobs(self.learner.scorer, self.rollout.check_ids)  # a collective when sharded
+        reference = reference_logprobs(self.learner.passes.scorer, self.rollout.check_ids)  # a collective when sharded
         self.rollout.sync(weights, reference)
 
     # --- the loop ----------------------------------------------------------------------
@@ -292,7 +292,7 @@ class Trainer:
         return save_checkpoint(
             self.run_dir, self.state.step, self.model, learner.optimizer, learner.scheduler,
             self.state.__dict__.copy(), keep_last=self.config.keep_last, tokenizer=self.tokenizer,
-            generators={"plan": learner.generator}, world=self.world,
+            generators={"plan": learner.passes.generator}, world=self.world,
         )
 
     def export(self, out_dir: Path, gguf_type: str = "q4_1") -> dict[str, Path]:
@@ -304,7 +304,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Pass@k of the deployment engine on held-out problems; rank 0 evaluates, the others return {}."""
-        from deployrl.evaluate import evaluate
+        from deployrl.training.evaluation import evaluate
 
         cfg = self.config
         if not self.world.is_main:

@@ -51,12 +51,12 @@ import numpy as np
 import torch
 
 from deployrl.algo._checks import check_non_negative, check_positive
-from deployrl.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
-from deployrl.config import TrainConfig
-from deployrl.configcli import CommandLine, Flag
-from deployrl.configdoc import key_help, setting
-from deployrl.configio import build, nest
+from deployrl.commands.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
 from deployrl.registry import unknown_name_error
+from deployrl.settings.command_line import CommandLine, Flag
+from deployrl.settings.config import TrainConfig
+from deployrl.settings.docs import key_help, setting
+from deployrl.settings.parsing import build, nest
 
 T_MAX = (512, 1024, 2048, 4096)
 # the full-trajectory baselines as the papers run them: a no-grad pass for logp_old, then the update
@@ -141,7 +141,7 @@ def prepare_model(spec: str, layers: int, directory: str) -> dict[str, Any]:
 
     Every measurement process then loads the same safetensors folder as `model.name`.
     """
-    from deployrl.models import load_model, load_tokenizer, resolve_model
+    from deployrl.models.loading import load_model, load_tokenizer, resolve_model
 
     quiet_transformers()
     source = resolve_model(spec)
@@ -180,7 +180,7 @@ def synthetic_rollouts(examples: list, vocab: int, t_max: int, settings: Setting
     and a tail.
     """
     from deployrl.engines.base import RolloutBatch
-    from deployrl.rollout import Rollouts
+    from deployrl.training.rollout import Rollouts
 
     g, k = settings.groups, settings.group_size
     rows = g * k
@@ -227,7 +227,7 @@ def warm_up(trainer, rollouts) -> None:
     The optimizer step sees zero gradients: with weight decay 0 the update is exactly zero,
     so the weights do not change; only the state tensors (exp_avg, exp_avg_sq) come to exist.
     """
-    from deployrl.models import token_logprobs
+    from deployrl.models.loading import token_logprobs
 
     assert trainer.config.optim.weight_decay == 0, "a zero-gradient step must not move the weights"
     optimizer = trainer.learner.optimizer
@@ -243,10 +243,10 @@ def warm_up(trainer, rollouts) -> None:
 
 def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any], repeat: int = 0) -> dict[str, Any]:
     """Build a Trainer for `method`, time and measure one update phase on the synthetic batch."""
-    from deployrl.config import TrainConfig
-    from deployrl.configio import build
     from deployrl.engines.base import trainer_view
-    from deployrl.trainer import Trainer
+    from deployrl.settings.config import TrainConfig
+    from deployrl.settings.parsing import build
+    from deployrl.training.trainer import Trainer
 
     s = Settings(**settings)
     quiet_transformers()

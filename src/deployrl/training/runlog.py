@@ -7,7 +7,7 @@
       events.jsonl       one line per fault or stop: {"step": ..., "event": ..., ...}; never truncated
       tensorboard/       TensorBoard event files (tensorboard --logdir run_dir/tensorboard)
       plots/             PNG plots written by RunLogger.plot()
-      checkpoints/       see deployrl.checkpoint
+      checkpoints/       see deployrl.training.checkpoint
 
 A run directory that already holds metrics or checkpoints is refused unless `resume=True`;
 a resumed run drops the lines past the resumed step first (`truncate_after`), so its files hold

@@ -48,10 +48,10 @@ import psutil
 import torch
 
 from deployrl.algo._checks import check_positive
-from deployrl.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
-from deployrl.configcli import CommandLine, Flag
-from deployrl.configdoc import setting
+from deployrl.commands.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
 from deployrl.registry import unknown_name_error
+from deployrl.settings.command_line import CommandLine, Flag
+from deployrl.settings.docs import setting
 
 # full fine-tuning, as TRL's GRPOTrainer without a peft_config
 HF_ROW = ["rollout.engine=hf:fp32", "algo.correction=none", "algo.dynamic_sampling=off", "model.lora.rank=0"]
@@ -112,8 +112,8 @@ def trl_settings(config, completions_per_micro_batch: int) -> dict[str, Any]:
 
 def prompt_order(config, count: int) -> list[int]:
     """The indices of the first `count` prompts deployrl's Trainer samples (its shuffled stream)."""
-    from deployrl.rollout import data_order
     from deployrl.tasks import load_task
+    from deployrl.training.rollout import data_order
 
     order = data_order(len(load_task(config.task).examples), config.seed)
     return [order[i % len(order)] for i in range(count)]
@@ -152,7 +152,7 @@ def _summary(records: list[dict[str, float]], loaded: int, peak: PeakMemory, thr
 
 def dequantise(spec: str, target: str) -> dict[str, str]:
     """Write model `spec` (a GGUF) as an fp32 HF folder with its tokenizer at `target`."""
-    from deployrl.models import load_model, load_tokenizer, resolve_model
+    from deployrl.models.loading import load_model, load_tokenizer, resolve_model
 
     source = resolve_model(spec)
     partial = Path(target + ".partial")
@@ -165,8 +165,8 @@ def dequantise(spec: str, target: str) -> dict[str, str]:
 
 def measure_deployrl(overrides: list[str], steps: int, threads: int | None) -> dict[str, Any]:
     """`steps` steps of deployrl's Trainer; per-step seconds and peak memory."""
-    from deployrl.config import load_config
-    from deployrl.trainer import Trainer
+    from deployrl.settings.config import load_config
+    from deployrl.training.trainer import Trainer
 
     threads = _set_threads(threads)
     with tempfile.TemporaryDirectory(prefix="deployrl-bench-step-") as run_dir:
@@ -190,11 +190,11 @@ def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_bat
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from deployrl.config import load_config
-    from deployrl.models import load_tokenizer, resolve_model
-    from deployrl.prompts import encode_prompts
-    from deployrl.reward_sandbox import score_completions
+    from deployrl.models.loading import load_tokenizer, resolve_model
+    from deployrl.rewards.sandbox import score_completions
+    from deployrl.settings.config import load_config
     from deployrl.tasks import load_task
+    from deployrl.tasks.prompts import encode_prompts
 
     threads = _set_threads(threads)
     config = load_config(None, [*overrides, f"steps={steps}"])
@@ -265,7 +265,7 @@ def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_bat
 
 def hf_model_dir(spec: str, cache_dir: Path) -> tuple[str, bool]:
     """(a plain HF model folder or hub id for `spec`, whether `spec` is a GGUF), dequantising a GGUF once."""
-    from deployrl.models import resolve_model
+    from deployrl.models.loading import resolve_model
 
     source = resolve_model(spec)
     if source.gguf_path is None:
@@ -277,7 +277,7 @@ def hf_model_dir(spec: str, cache_dir: Path) -> tuple[str, bool]:
     if not (target / "config.json").is_file():
         print(f"dequantising {gguf.name} to {target} (once)", file=sys.stderr)
         cache_dir.mkdir(parents=True, exist_ok=True)
-        in_fresh_process("deployrl.bench.step:dequantise", {"spec": spec, "target": str(target)})
+        in_fresh_process("deployrl.commands.bench.step:dequantise", {"spec": spec, "target": str(target)})
     return str(target), True
 
 
@@ -365,7 +365,7 @@ def parse_args(argv: list[str] | None) -> tuple[StepBenchConfig, list[str]]:
 
 def plan(config: StepBenchConfig, overrides: list[str]) -> tuple[dict[str, list[str]], dict[str, Any]]:
     """Each deployrl row's overrides and validated config; raises on a bad model or setting."""
-    from deployrl.config import load_config
+    from deployrl.settings.config import load_config
 
     load_config(None, overrides)  # the command's overrides, before a GGUF model is dequantised
     model_dir, is_gguf = hf_model_dir(config.model, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
@@ -408,7 +408,7 @@ def report(results: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     bench, overrides = parse_args(argv)
-    from deployrl.configio import ConfigError
+    from deployrl.settings.parsing import ConfigError
 
     if bench.vs == "trl" and importlib.util.find_spec("trl") is None:
         print("deployrl bench step: error: --vs trl needs TRL: pip install 'deployrl[bench]'", file=sys.stderr)
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name, (title, function, kwargs) in jobs.items():
         print(f"running {title} ...", file=sys.stderr, flush=True)
-        result = in_fresh_process(f"deployrl.bench.step:{function}", {**kwargs, "steps": bench.steps, "threads": threads})
+        result = in_fresh_process(f"deployrl.commands.bench.step:{function}", {**kwargs, "steps": bench.steps, "threads": threads})
         results[name] = {"label": title, **result, "median": summarise(result)}
 
     print()
