@@ -16,7 +16,8 @@ from deployrl.settings.config import DynamicSampling, EngineRanks, ProxySource, 
 from deployrl.training.ps_orders import PS_ORDERS
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "deployrl"
-LOOP = ["training/trainer.py", "training/learner.py", "training/rollout.py", "training/ps_orders.py",
+LOOP = ["training/trainer.py", "training/learner.py", "training/passes.py", "training/rollout.py",
+        "training/ps_orders.py",
         *(str(p.relative_to(SRC)) for p in sorted((SRC / "engines").glob("*.py")))]
 # each vocabulary, and the modules that own it (where its names may be compared)
 VOCABULARIES = {
