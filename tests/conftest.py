@@ -5,6 +5,15 @@ import torch
 torch.set_num_threads(1)
 
 
+# the trainer's devices a test runs on: the GPU check runs the same tests on CUDA (docs/gpu.md)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)

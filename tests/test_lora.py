@@ -26,10 +26,10 @@ def randomise_adapters(model, seed: int, scale: float = 0.2) -> None:
 
 @pytest.mark.parametrize("engine,variant", [("hf:bf16", "dc_optimized"), ("hf:fp8", "dr_grpo_tis"),
                                             ("hf:bf16", "rloo_mask_kl"), ("hf:fp8", "dc_heuristic_epochs")])
-def test_lora_training_changes_only_the_adapters(engine, variant, tmp_path, tiny_dir):
+def test_lora_training_changes_only_the_adapters(engine, variant, device, tmp_path, tiny_dir):
     """With DC, TIS, the mask (and a KL to the reference), PS-PPO's laws and several epochs."""
-    trainer = Trainer(toy_config(tmp_path, tiny_dir, "steps=2", f"rollout.engine={engine}", *LORA,
-                                 *VARIANTS[variant]))
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, "steps=2", f"rollout.engine={engine}", f"model.device={device}",
+                                 *LORA, *VARIANTS[variant]))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     adapters = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)

@@ -12,13 +12,14 @@ from deployrl.models.loading import load_model, resolve_model, shares_prompts, t
 
 def naive_logprobs(model, prompts, completions, mask, view):
     """Full-logits reference: one sequence at a time, [T, V] logits held whole."""
-    out = torch.zeros(mask.shape)
+    device = next(model.parameters()).device
+    out = torch.zeros(mask.shape, device=device)
     for b, prompt in enumerate(prompts):
         n = int(mask[b].sum())
-        ids = torch.tensor([prompt + completions[b, :n].tolist()])
+        ids = torch.tensor([prompt + completions[b, :n].tolist()], device=device)
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + n]
         logp = processed_logits(logits, view).log_softmax(-1)
-        out[b, :n] = logp.gather(-1, completions[b, :n, None])[:, 0]
+        out[b, :n] = logp.gather(-1, completions[b, :n, None].to(device))[:, 0]
     return out
 
 
@@ -37,10 +38,10 @@ def test_local_directory_and_errors(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("view", [SamplingView(), SamplingView(0.7, 8, 0.9)])
-def test_chunked_logprobs_equal_full_logits(arch, view, gen):
+def test_chunked_logprobs_equal_full_logits(arch, view, device, gen):
     from tiny import tiny_model
 
-    model = tiny_model(arch)
+    model = tiny_model(arch).to(device)
     prompts = [[1, 5, 6, 7], [1, 9], [1, 3, 3, 3, 3, 4]]
     completions = torch.randint(3, 40, (3, 9), generator=gen)
     mask = torch.arange(9)[None] < torch.tensor([9, 4, 1])[:, None]
@@ -49,6 +50,7 @@ def test_chunked_logprobs_equal_full_logits(arch, view, gen):
         finite = torch.isfinite(reference)
         for chunk in (1, 5, 1024):
             got = token_logprobs(model, prompts, completions, mask, view, chunk_tokens=chunk).logp
+            assert got.device == reference.device  # on the model's device
             assert torch.equal(torch.isfinite(got), finite)
             torch.testing.assert_close(got[finite], reference[finite], atol=1e-5, rtol=1e-5)
 

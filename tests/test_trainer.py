@@ -58,8 +58,8 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_variant_updates_every_parameter(variant, tmp_path, tiny_dir):
-    trainer = Trainer(toy_config(tmp_path, tiny_dir, "steps=2", *VARIANTS[variant]))
+def test_every_variant_updates_every_parameter(variant, device, tmp_path, tiny_dir):
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, "steps=2", f"model.device={device}", *VARIANTS[variant]))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     history = trainer.run()
     assert len(history) == 2 and all(math.isfinite(m["loss"]) for m in history)
@@ -113,10 +113,11 @@ def collect(trainer):
 
 
 @pytest.mark.parametrize("variant", ["dc_optimized", "rloo_mask_kl"])
-def test_update_gradient_does_not_depend_on_micro_batch_packing(variant, tmp_path, tiny_dir):
+def test_update_gradient_does_not_depend_on_micro_batch_packing(variant, device, tmp_path, tiny_dir):
     """The gradient of one optimizer update is the same whether its rows go through the model in
     one call or packed into micro-batches of a few tokens (each group's prompt fed once per call)."""
-    trainer = Trainer(toy_config(tmp_path, tiny_dir, *VARIANTS[variant], "algo.ps.strategy=uniform"))
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, *VARIANTS[variant], "algo.ps.strategy=uniform",
+                                 f"model.device={device}"))
     learner = trainer.learner
     # float64: the packings sum in different orders, and in fp32 that rounding depends on the CPU's kernels
     trainer.model.double()
@@ -145,13 +146,14 @@ def test_update_gradient_does_not_depend_on_micro_batch_packing(variant, tmp_pat
             torch.testing.assert_close(other[name], grad, rtol=0, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_dir):
-    straight = Trainer(toy_config(tmp_path / "a", tiny_dir, "steps=4", "save_every=2", *VARIANTS["dc_optimized"]))
+def test_resume_reproduces_the_uninterrupted_run(device, tmp_path, tiny_dir):
+    settings = ("save_every=2", f"model.device={device}", *VARIANTS["dc_optimized"])
+    straight = Trainer(toy_config(tmp_path / "a", tiny_dir, "steps=4", *settings))
     losses = [m["loss"] for m in straight.run()]
 
-    config = toy_config(tmp_path / "b", tiny_dir, "steps=2", "save_every=2", *VARIANTS["dc_optimized"])
+    config = toy_config(tmp_path / "b", tiny_dir, "steps=2", *settings)
     first = [m["loss"] for m in Trainer(config).run()]
-    resumed = Trainer(toy_config(tmp_path / "b", tiny_dir, "steps=4", "save_every=2", *VARIANTS["dc_optimized"]), resume=True)
+    resumed = Trainer(toy_config(tmp_path / "b", tiny_dir, "steps=4", *settings), resume=True)
     assert resumed.state.step == 2
     second = [m["loss"] for m in resumed.run()]
     assert first + second == pytest.approx(losses, rel=1e-5, abs=1e-7)
@@ -159,8 +161,9 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, tiny_dir):
         torch.testing.assert_close(a, b, msg=name)
 
 
-def test_run_directory_and_checkpoint(tmp_path, tiny_dir):
-    trainer = Trainer(toy_config(tmp_path, tiny_dir, "steps=2", "save_every=1", "keep_last=1", "tensorboard=true"))
+def test_run_directory_and_checkpoint(device, tmp_path, tiny_dir):
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, "steps=2", "save_every=1", "keep_last=1", "tensorboard=true",
+                                 f"model.device={device}"))
     trainer.run()
     run = tmp_path / "run"
     assert (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file() and (run / "samples.jsonl").is_file()
@@ -328,10 +331,11 @@ def recorded_gradients(learner):
 
 
 @pytest.mark.parametrize("correction", ["dc", "tis", "mask"])
-def test_prefix_only_update_equals_the_full_pass_update(correction, tmp_path, tiny_dir):
+def test_prefix_only_update_equals_the_full_pass_update(correction, device, tmp_path, tiny_dir):
     """For the same cutoffs, the update with logp_old from a no-grad pass over every token, from one
     over the prefixes only, and fused into the graded pass (no no-grad pass) has one gradient."""
     trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.ps.proxies=engine", "algo.ps.strategy=temporal",
+                                 f"model.device={device}",
                                  f"algo.correction={correction}", "algo.dc.penalty=hinge", "algo.correction_cap=1.05"))
     trainer.model.double()  # as in the packing test: float32 log-softmax per token, summed in float64
     learner = trainer.learner

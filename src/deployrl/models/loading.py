@@ -363,14 +363,22 @@ class Scorer(torch.nn.Module):
     hidden states [B, T, D] of `completion_hidden` and the output head's weight [V, D]. Every use
     of the weights (decoder and head) happens inside this one call, which is what FSDP needs to
     all-gather and free them (distributed.py); without FSDP it is a plain function call.
+
+    With `autocast` (a dtype, e.g. bf16) the decoder runs under `torch.autocast`; `reduce` (the
+    output head and its log-softmax) runs outside it, in the head's own dtype, so that the
+    log-probabilities the losses and δ compare are not rounded to bf16.
     """
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, autocast: Optional[torch.dtype] = None) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.autocast = model, autocast
 
     def forward(self, prompt_ids: list[list[int]], completion_ids: torch.Tensor, mask: torch.Tensor, reduce):
-        return reduce(completion_hidden(self.model, prompt_ids, completion_ids, mask), output_head(self.model))
+        device = next(self.model.parameters()).device
+        with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            hidden = completion_hidden(self.model, prompt_ids, completion_ids, mask)
+        head = output_head(self.model)
+        return reduce(hidden.to(head.dtype), head)
 
 
 def token_logprobs(

@@ -38,7 +38,7 @@ from deployrl.engines.base import SamplingParams
 from deployrl.engines.llama_runtime import MAX_SEQUENCES
 from deployrl.registry import Choice, unknown_name_error
 from deployrl.settings.docs import setting
-from deployrl.settings.model import ALIASES, DTYPES
+from deployrl.settings.model import ALIASES, DTYPES, Autocast, Device
 from deployrl.settings.parsing import Override, load
 from deployrl.settings.task import ReasoningGymTask, TaskConfig
 
@@ -130,7 +130,9 @@ class ModelConfig:
     """The trainer's model."""
 
     name: str = setting("smollm2-135m", "HF directory, .gguf file, hub id, or alias")
-    dtype: str = setting("fp32", f"training precision: {', '.join(DTYPES)}")
+    dtype: str = setting("fp32", f"training precision of the weights and optimizer: {', '.join(DTYPES)}")
+    device: str = setting("auto", f"where the model, optimizer and passes live: {Device.described()}")
+    autocast: str = setting("auto", f"mixed-precision compute: {Autocast.described()}")
     activation_checkpointing: bool = setting(False, "recompute decoder activations in the backward")
     trust_remote_code: bool = setting(False, "run code from the model repository; never on by default")
     chunk_tokens: int = setting(1024, "tokens per output-head chunk; no [batch, seq, vocab] tensor")
@@ -138,6 +140,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _choice("training dtype", self.dtype, DTYPES)
+        Device.get("model.device", self.device)
+        if Autocast.get("model.autocast", self.autocast) is Autocast.BF16 and self.dtype != "fp32":
+            raise ValueError(f"model.autocast=bf16 casts fp32 weights for the compute; model.dtype is {self.dtype}:"
+                             " use model.autocast=off (the compute is already in that dtype)")
         check_positive("chunk_tokens", self.chunk_tokens)
 
 

@@ -27,6 +27,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from deployrl.settings.model import Device
+
 
 @dataclass(frozen=True)
 class World:
@@ -36,6 +38,7 @@ class World:
     size: int = 1
     local_rank: int = 0
     backend: Optional[str] = None  # None: no process group
+    device: torch.device = torch.device("cpu")  # the trainer's: model, optimizer state, passes
 
     @property
     def distributed(self) -> bool:
@@ -45,27 +48,24 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
 
+def init_world(device: str = "auto", timeout_s: float = 1800.0) -> World:
+    """The World of this process from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), its
+    trainer on `device` (`model.device`: auto, cpu or cuda, resolved by `Device.resolve`).
 
-def init_world(timeout_s: float = 1800.0) -> World:
-    """The World of this process from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK).
-
-    With more than one rank the process group is started: NCCL when CUDA is available (each rank
+    With more than one rank the process group is started: NCCL when the device is CUDA (each rank
     on cuda:LOCAL_RANK), gloo on CPU. A collective that waits longer than `timeout_s` fails.
     """
     size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    where = Device.get("model.device", device).resolve(local_rank)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
     if size == 1:
-        return World()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+        return World(device=where)
     if not dist.is_initialized():
-        if backend == "nccl":
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return World(rank, size, local_rank, dist.get_backend())
+        dist.init_process_group("nccl" if where.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    return World(int(os.environ["RANK"]), size, local_rank, dist.get_backend(), where)
 
 
 def shard(root: torch.nn.Module, blocks: Sequence[torch.nn.Module], world: World, dtype: torch.dtype) -> None:
@@ -201,10 +201,12 @@ def any_rank(flag: bool, world: World) -> bool:
 
 
 def full_state_dict(model: torch.nn.Module, world: World, to_main_only: bool = False) -> dict[str, torch.Tensor]:
-    """The model's unsharded weights on CPU: on every rank, or (`to_main_only`) on rank 0 only (the
-    others get {}). A collective when the model is sharded: every rank must call it."""
+    """The model's unsharded weights: on every rank, or (`to_main_only`) on rank 0 only (the others
+    get {}). A collective when the model is sharded: every rank must call it. In one process they
+    are the model's own tensors, detached, where the model lives: nothing is copied here, and an
+    engine copies to the host only what it needs (a served adapter, not the base)."""
     if not world.distributed:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        return {k: v.detach() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,

@@ -240,12 +240,17 @@ class GradedPass:
     def __init__(self, learner: Learner, rollouts: Rollouts, plan: PrefixPlan, view: SamplingView,
                  old: Optional[OldPass], known: Optional[torch.Tensor]) -> None:
         self.learner, self.rollouts, self.plan, self.view, self.old = learner, rollouts, plan, view, old
-        batch = rollouts.batch
+        batch, device = rollouts.batch, learner.world.device
         self.cutoffs = plan.cutoffs.tolist()
         fed = torch.arange(batch.mask.shape[1])[None, :] < plan.cutoffs[:, None]  # [B, T] positions the pass sees
-        self.known = known if known is not None else batch.mask.bool() & fed
-        self.logp_old = old.logp if old is not None else torch.zeros(batch.mask.shape)
-        self.advantages = learner.group_advantages(rollouts)  # once per step
+        known = known if known is not None else batch.mask.bool() & fed
+        # the step's [B, T] tensors on the model's device once; micro-batches index them there
+        on = functools.partial(torch.Tensor.to, device=device)
+        self.mask, self.logp_inf, self.known = on(batch.mask), on(batch.logp_inf), on(known)
+        self.cutoffs_on, self.plan_weights = on(plan.cutoffs), on(plan.weights)
+        self.logp_old = on(old.logp) if old is not None else torch.zeros(batch.mask.shape, device=device)
+        self.logp_ref = on(old.logp_ref) if old is not None and old.logp_ref is not None else None
+        self.advantages = on(learner.group_advantages(rollouts))  # once per step
         self.prompt_tokens = [len(p) for p in batch.prompt_ids]
         shared = shares_prompts(learner.model)
         self.groups = [r // batch.group_size for r in range(len(self.cutoffs))] if shared else None
@@ -254,7 +259,7 @@ class GradedPass:
         """Backpropagate this rank's share of the mini-batch `mini`, in micro-batches; (this rank's loss,
         the rows of its micro-batches whose loss was not finite)."""
         learner, batch = self.learner, self.rollouts.batch
-        count = batch_denominator(learner.config.algo.aggregation, batch.mask[torch.tensor(mini)])
+        count = batch_denominator(learner.config.algo.aggregation, self.mask[torch.tensor(mini, device=self.mask.device)])
         active = [r for r in mini if self.cutoffs[r] > 0]
         plans = learner.passes.micro_batch_plans(active, self.prompt_tokens, self.cutoffs, self.groups)
         losses: list[tuple[list[int], torch.Tensor]] = []
@@ -267,25 +272,27 @@ class GradedPass:
     def _micro_batch(self, micro: list[int], count: torch.Tensor, tally: Tally) -> torch.Tensor:
         """Forward and backward of the rows `micro`, each up to its cutoff; the loss, detached."""
         learner, batch, cutoffs = self.learner, self.rollouts.batch, self.cutoffs
-        rows, width = torch.tensor(micro), max(cutoffs[r] for r in micro)
-        kept = torch.arange(width)[None, :] < self.plan.cutoffs[rows][:, None]  # [b, width]
-        graded = token_logprobs(learner.passes.scorer, [batch.prompt_ids[r] for r in micro], batch.completion_ids[rows, :width],
-                                kept, self.view, learner.config.model.chunk_tokens).logp.cpu()
+        width, graded_tokens = max(cutoffs[r] for r in micro), sum(cutoffs[r] for r in micro)
+        rows = torch.tensor(micro, device=self.mask.device)
+        kept = torch.arange(width, device=rows.device)[None, :] < self.cutoffs_on[rows][:, None]  # [b, width]
+        graded = token_logprobs(learner.passes.scorer, [batch.prompt_ids[r] for r in micro],
+                                batch.completion_ids[micro, :width], kept, self.view,
+                                learner.config.model.chunk_tokens).logp
         prompts_fed = {self.groups[r] if self.groups else r: self.prompt_tokens[r] for r in micro}
         work = tally.work
-        work["graded"] += int(kept.sum())
-        work["fed"] += sum(prompts_fed.values()) + sum(cutoffs[r] for r in micro)
+        work["graded"] += graded_tokens
+        work["fed"] += sum(prompts_fed.values()) + graded_tokens
         work["calls"] += 1
         if self.old is None:
             self.logp_old[rows, :width] = torch.where(kept, graded.detach(), 0.0)
         logp_old = self.logp_old[rows]
         logp = logp_old.clone()
         logp[:, :width] = torch.where(kept, graded, logp[:, :width])
+        mask = self.mask[rows]
         advantages, weights = learner.correction.token_terms(
-            self.advantages[rows], logp_old, batch.logp_inf[rows], batch.mask[rows] & self.known[rows])
-        out = learner.loss(logp, logp_old, advantages, batch.mask[rows], weights * self.plan.weights[rows],
-                           denominator=count,
-                           logp_ref=None if self.old is None or self.old.logp_ref is None else self.old.logp_ref[rows])
+            self.advantages[rows], logp_old, self.logp_inf[rows], mask & self.known[rows])
+        out = learner.loss(logp, logp_old, advantages, mask, weights * self.plan_weights[rows], denominator=count,
+                           logp_ref=None if self.logp_ref is None else self.logp_ref[rows])
         out.loss.backward()
         for name, value in out.metrics.items():
             tally.diagnostics[name].append(value.detach())  # read on the host once, in result()
@@ -298,6 +305,7 @@ class GradedPass:
         logp_old = self.logp_old
         if self.old is None:  # each row's values were computed on one rank, zeros on the others
             logp_old = all_reduce_tensor(logp_old, learner.world)
+        logp_old = logp_old.cpu()  # beside the engine's log-probs, for the discrepancy
         diagnostics = {name: torch.stack(values).tolist() for name, values in tally.diagnostics.items()}
         return UpdateResult(
             loss=_mean(tally.losses), grad_norm=_mean(tally.grad_norms),

@@ -32,6 +32,7 @@ from deployrl.algo.prefix import (
 )
 from deployrl.models.loading import DTYPES, Scorer, decoder_blocks, has_dropout, shares_prompts, token_logprobs
 from deployrl.settings.config import TrainConfig
+from deployrl.settings.model import Autocast
 from deployrl.training.distributed import World, balanced_shares, gather_in_order, shard
 from deployrl.training.rollout import Rollouts
 
@@ -100,8 +101,9 @@ class Passes:
         self.config, self.model, self.world = config, model, world
         ref_model = copy.deepcopy(model).eval().requires_grad_(False) if config.algo.kl_coef > 0 else None
         # every use of the weights goes through these calls (what FSDP needs)
-        self.scorer = Scorer(model)
-        self.ref_scorer = Scorer(ref_model) if ref_model is not None else None
+        autocast = Autocast(config.model.autocast).dtype(world.device, DTYPES[config.model.dtype])
+        self.scorer = Scorer(model, autocast)
+        self.ref_scorer = Scorer(ref_model, autocast) if ref_model is not None else None
         if world.distributed:
             for scorer in filter(None, (self.scorer, self.ref_scorer)):
                 shard(scorer, decoder_blocks(scorer.model), world, DTYPES[config.model.dtype])
@@ -205,7 +207,7 @@ class Passes:
             pieces = parts.get(name)
             if not pieces or pieces[0] is None:
                 return None
-            local = torch.cat([nn.functional.pad(t.cpu(), (0, width - t.shape[1])) for t in pieces])
+            local = torch.cat([nn.functional.pad(t, (0, width - t.shape[1])) for t in pieces]).cpu()
             return gather_in_order(local, orders, self.world)[:, :width]
 
         logp = gathered("logp")

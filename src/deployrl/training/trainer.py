@@ -85,7 +85,7 @@ class Trainer:
     """Holds the components of a run; `run()` trains, `step()` does one step."""
 
     def __init__(self, config: TrainConfig, resume: bool = False, world: Optional[World] = None) -> None:
-        self.config, self.world = config, world or init_world()
+        self.config, self.world = config, world or init_world(config.model.device)
         self.task: Task = load_task(config.task)  # data is validated before any model loads
         # held-out problems (default: fresh ones of the training task, another seed), checked now too
         self.eval_task: Optional[Task] = load_task(held_out_task(config)) if config.eval.num_prompts else None

@@ -64,6 +64,17 @@ class PeakMemory:
             self.peak = max(self._max, self._rss()) - self._start
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a CUDA timer reads nothing true before this)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    """`device` for benchmark headers: the card's name on CUDA, the processor's on CPU."""
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f"cpu ({cpu_name()})"
+
+
 def cpu_name() -> str:
     """The processor's model name (from /proc/cpuinfo on Linux), for benchmark headers."""
     try:

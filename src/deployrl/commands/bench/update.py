@@ -31,8 +31,8 @@ a note where they differ by more than a quarter.
 
 Peak memory is `PeakMemory`: on CPU the peak resident set size above the level at entry,
 after freed heap memory has been handed back to the OS (`malloc_trim`), so memory that the
-set-up freed cannot be reused unseen by the update. The trainer keeps its model on the CPU
-(it has no device placement), so this benchmark measures the CPU path only.
+set-up freed cannot be reused unseen by the update. On CUDA (`--device`, `model.device`) it is
+`torch.cuda.max_memory_allocated` above the level at entry, and the timer waits for the card.
 """
 
 from __future__ import annotations
@@ -51,11 +51,20 @@ import numpy as np
 import torch
 
 from deployrl.algo._checks import check_non_negative, check_positive
-from deployrl.commands.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
+from deployrl.commands.bench.measure import (
+    PeakMemory,
+    cpu_name,
+    device_name,
+    in_fresh_process,
+    median,
+    synchronize,
+    table,
+)
 from deployrl.registry import unknown_name_error
 from deployrl.settings.command_line import CommandLine, Flag
 from deployrl.settings.config import TrainConfig
 from deployrl.settings.docs import key_help, setting
+from deployrl.settings.model import Device
 from deployrl.settings.parsing import build, nest
 
 T_MAX = (512, 1024, 2048, 4096)
@@ -98,6 +107,8 @@ class Settings:
                                                     " (algo.micro_batch_tokens)")
     seed: int = setting(0, "seed of the synthetic batch; the cutoff draws use seed + repeat")
     threads: int | None = setting(None, "torch threads per measurement; None: torch's default")
+    device: str = setting("auto", lambda: f"{key_help(TrainConfig, 'model.device')} (model.device)")
+    autocast: str = setting("auto", lambda: f"{key_help(TrainConfig, 'model.autocast')} (model.autocast)")
 
     def xi_min(self, t_max: int) -> float:
         """The trainer's default floor 0.02, lowered so that it spends at most half the budget.
@@ -116,6 +127,8 @@ def config_overrides(
     return {
         "model.name": model_dir,
         "model.lora.rank": 0,  # the update of every weight: what PS-PPO's savings were measured on
+        "model.device": settings.device,
+        "model.autocast": settings.autocast,
         "task.size": settings.groups,  # the task is only needed by the constructor: keep it small
         "rollout.engine": "hf:fp32",
         "rollout.prompts_per_step": settings.groups,
@@ -261,9 +274,11 @@ def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any
         view = trainer_view(batch.semantics, config.rollout.sampling(seed=0))
         warm_up(trainer, rollouts)
         release_freed_memory()
-        with PeakMemory() as memory:  # Trainer.learn's learn phase, everything before the weight sync
+        device = trainer.world.device
+        with PeakMemory(device) as memory:  # Trainer.learn's learn phase, everything before the weight sync
             start = time.perf_counter()
             learned = learner.learn(rollouts, view)
+            synchronize(device)
             end = time.perf_counter()
         trainer.logger.close()
     prompts = settings["prompt_tokens"] * settings["groups"]
@@ -276,7 +291,7 @@ def measure_one(model_dir: str, method: str, t_max: int, settings: dict[str, Any
         "tokens_graded": update.tokens_graded, "tokens_expected": float(plan.expected_tokens),
         "tokens_total": float(batch.mask.sum()),
         "graded_pass_tokens": update.graded_pass_tokens, "micro_batches": update.micro_batches,
-        "threads": torch.get_num_threads(), "xi_min": s.xi_min(t_max),
+        "threads": torch.get_num_threads(), "xi_min": s.xi_min(t_max), "device": device_name(device),
     }
 
 
@@ -382,6 +397,8 @@ FLAGS = (
     Flag("--micro-batch-tokens", "micro_batch_tokens"),
     Flag("--repeats", "repeats"),
     Flag("--threads", "threads"),
+    Flag("--device", "device"),
+    Flag("--autocast", "autocast"),
     Flag("--seed", "seed"),
     Flag("--json", "json"),
     Flag("--same-process", "same_process", const=True),
@@ -397,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         " (:engine) with the engine's, no trainer pass past a cutoff,"
         " DC off for all. Each measurement runs in a fresh process; the table shows medians over"
         " repeats and ratios to full GRPO (speed-up = grpo seconds / method seconds; memory = method"
-        " peak / grpo peak). CPU only: the trainer keeps its model on the CPU.",
+        " peak / grpo peak), on the trainer's device (--device).",
         FLAGS,
     ).parse(argv)
     settings = config.settings
@@ -409,13 +426,15 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="deployrl-bench-model-") as model_dir:
         model = call("prepare_model", {"spec": config.model, "layers": config.layers, "directory": model_dir})
+        device = Device.get("device", config.device).resolve()
         print(
             f"hardware: {cpu_name()}, {config.threads or torch.get_num_threads()} torch threads, torch {torch.__version__},"
-            f" device cpu{' (CUDA is available but the trainer does not use it)' if torch.cuda.is_available() else ''}"
+            f" trainer on {device_name(device)}"
         )
         print(
             f"model: {config.model}, {model['layers']} of {model['of_layers']} decoder layers, vocab {model['vocab']},"
-            f" hidden {model['hidden']}, {model['parameters'] / 1e6:.3g}M parameters, fp32"
+            f" hidden {model['hidden']}, {model['parameters'] / 1e6:.3g}M parameters, fp32,"
+            f" autocast {config.autocast}"
         )
         print(
             f"batch: {settings.groups} group(s) x K={settings.group_size}, prompt {settings.prompt_tokens} tokens,"
