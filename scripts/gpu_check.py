@@ -82,7 +82,8 @@ def environment(device: torch.device) -> dict[str, Any]:
             "device": str(device), "cpu": platform.processor() or platform.machine()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info |= {"gpu": props.name, "capability": f"{props.major}.{props.minor}", "gpu_memory_gib": props.total_memory / 2**30}
+        info |= {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
+                 "gpu_memory_gib": props.total_memory / 2**30}
     return info
 
 
@@ -103,8 +104,9 @@ def build_model(shape: str, directory: Path) -> dict[str, Any]:
 def arithmetic_task(directory: Path, count: int = 64) -> Path:
     """A JSONL task of one-digit sums, graded by math-verify (`task.reward=math`)."""
     path = directory / "sums.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"What is {i % 10} + {i // 10 % 10}?", "answer": str(i % 10 + i // 10 % 10)})
-                            + "\n" for i in range(count)))
+    pairs = [(i % 10, i // 10 % 10) for i in range(count)]
+    lines = [json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) for a, b in pairs]
+    path.write_text("\n".join(lines) + "\n")
     return path
 
 
@@ -147,13 +149,18 @@ def train(model_dir: Path, task: Path, engine: str, device: str, steps: int, max
     return result
 
 
+def source_env() -> dict[str, str]:
+    """This process's environment with the working tree's deployrl first on the path."""
+    return os.environ | {"PYTHONPATH": str(ROOT / "src")}
+
+
 def run_tests(device: str, junit: Path) -> dict[str, Any]:
     """The device-parametrized tests on `device` (pytest -k), counted from their JUnit report."""
     files = ["tests/test_device.py", "tests/test_trainer.py", "tests/test_models.py", "tests/test_lora.py"]
     # -o addopts: the repository runs tests under pytest-xdist, which a bare GPU stack lacks
     command = [sys.executable, "-m", "pytest", "-q", "-o", "addopts=-ra", "-p", "no:cacheprovider", "-k", device,
                f"--junitxml={junit}", *files]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(ROOT / "src")})
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=source_env())
     print(done.stdout[-3000:], done.stderr[-2000:], sep="\n")
     text = junit.read_text() if junit.exists() else ""
     counts = {k: int(v) for k, v in re.findall(r'\b(tests|failures|errors|skipped)="(\d+)"', text)[:4]}
@@ -166,7 +173,7 @@ def bench_update(model_dir: Path, device: str, t_max: list[int], out: Path) -> d
                "--t-max", *map(str, t_max), "--methods", "grpo", "ps:optimized:engine", "--repeats", "1",
                "--budget", str(min(128, min(t_max) // 4)),
                "--device", device, "--json", str(out)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(ROOT / "src")})
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=source_env())
     print(done.stdout[-4000:], done.stderr[-2000:], sep="\n")
     if done.returncode:
         return {"returncode": done.returncode}
@@ -175,8 +182,9 @@ def bench_update(model_dir: Path, device: str, t_max: list[int], out: Path) -> d
     for size in t_max:
         by = {r["method"]: r for r in rows if r["t_max"] == size}
         grpo, ps = by["grpo"], by["ps:optimized:engine"]
-        summary[str(size)] = {"grpo_s": grpo["seconds"], "ps_s": ps["seconds"], "speedup": grpo["seconds"] / ps["seconds"],
-                              "grpo_peak_gib": grpo["peak_bytes"] / 2**30, "ps_peak_gib": ps["peak_bytes"] / 2**30,
+        summary[str(size)] = {"grpo_s": grpo["seconds"], "ps_s": ps["seconds"],
+                              "speedup": grpo["seconds"] / ps["seconds"], "grpo_peak_gib": grpo["peak_bytes"] / 2**30,
+                              "ps_peak_gib": ps["peak_bytes"] / 2**30,
                               "memory_ratio": ps["peak_bytes"] / grpo["peak_bytes"]}
     return {"returncode": 0, "t_max": summary}
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from test_trainer import toy_config
 
 from deployrl.algo.logprobs import chunked_token_stats
 from deployrl.models.loading import Scorer, completion_hidden, output_head, token_logprobs
@@ -10,8 +11,6 @@ from deployrl.settings.model import Autocast, Device
 from deployrl.settings.parsing import ConfigError
 from deployrl.training.distributed import init_world
 from deployrl.training.trainer import Trainer
-
-from test_trainer import toy_config
 
 
 @pytest.fixture

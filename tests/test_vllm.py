@@ -219,3 +219,17 @@ def test_unknown_options_and_options_without_kernels_fail_at_start(model):
     if not torch.cuda.is_available() and not torch.cpu._is_amx_tile_supported():
         with pytest.raises(RuntimeError, match="vLLM could not start engine vllm:fp8_per_tensor"):
             make_engine("vllm:fp8_per_tensor", model, ModelSource("tiny", None), [EOS], context_length=64, parallel=4)
+
+
+def test_the_colocation_stand_in_has_vllms_signatures():
+    """tests/test_vllm_colocate.py checks sleep, wake and sync against a stand-in: its methods take
+    the installed vLLM's parameters, by name and default."""
+    import inspect
+
+    import vllm
+    from test_vllm_colocate import RecordingLLM
+
+    for name in ("generate", "collective_rpc", "apply_model", "reset_prefix_cache", "sleep", "wake_up"):
+        real, ours = (inspect.signature(getattr(cls, name)).parameters for cls in (vllm.LLM, RecordingLLM))
+        assert [(p.name, p.kind, p.default) for p in ours.values()] == \
+            [(p.name, p.kind, p.default) for p in real.values()], name

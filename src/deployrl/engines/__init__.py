@@ -40,6 +40,10 @@ class EngineSettings:
     threads: Optional[int] = None  # llamacpp: decode threads; vllm: the CPU cores it binds; None: every CPU
     parallel: int = 32  # llamacpp, vllm: completions decoded together (hf: all of them, always)
     lora_serving: str = LoraServing.ADAPTER.value  # how it holds the model's LoRA adapters (LoraServing)
+    gpu_memory_utilization: Optional[float] = None  # vllm on a GPU: its share of the card; None: from free memory
+    enforce_eager: bool = False  # vllm on a GPU: no compilation or CUDA graphs
+    sleep: bool = True  # vllm on a GPU: release the card while the trainer works
+    reserved_bytes: int = 0  # vllm on a GPU: what the trainer allocates after the engine starts, kept out of its share
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,8 @@ def _build_vllm(model: nn.Module, settings: EngineSettings) -> RolloutEngine:
         model.state_dict(), model.config, type(unwrapped(model)).__name__, settings.option,
         list(settings.eos_token_ids), context_length=settings.context_length or DEFAULT_CONTEXT,
         parallel=settings.parallel, threads=settings.threads, adapter_scales=adapter_scales(model),
-        lora_serving=settings.lora_serving,
+        lora_serving=settings.lora_serving, gpu_memory_utilization=settings.gpu_memory_utilization,
+        enforce_eager=settings.enforce_eager, sleep=settings.sleep, reserved_bytes=settings.reserved_bytes,
     )
 
 
@@ -153,18 +158,8 @@ def parse_engine_spec(spec: str) -> tuple[str, str]:
     return kind_name, option
 
 
-def make_engine(
-    spec: str,
-    model,
-    source: ModelSource,
-    eos_token_ids: list[int],
-    context_length: Optional[int] = None,
-    threads: Optional[int] = None,
-    parallel: int = 32,
-    lora_serving: str = LoraServing.ADAPTER.value,
-) -> RolloutEngine:
-    """Build the engine `spec` from the trainer's model (its own copy of the weights); the other
-    arguments are `EngineSettings`'."""
+def make_engine(spec: str, model, source: ModelSource, eos_token_ids: list[int], **settings) -> RolloutEngine:
+    """Build the engine `spec` from the trainer's model (its own copy of the weights); `settings` are
+    `EngineSettings` fields (context_length, threads, parallel, lora_serving, ...)."""
     kind_name, option = parse_engine_spec(spec)
-    settings = EngineSettings(option, source, tuple(eos_token_ids), context_length, threads, parallel, lora_serving)
-    return ENGINES.get(kind_name).build(model, settings)
+    return ENGINES.get(kind_name).build(model, EngineSettings(option, source, tuple(eos_token_ids), **settings))

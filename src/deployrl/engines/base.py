@@ -322,6 +322,10 @@ class RolloutEngine(abc.ABC):
         that a trainer drifting off the quantisation grid is not mistaken for broken kernels."""
         return None
 
+    def release(self) -> None:
+        """Give the device's memory back while the trainer works (after a step's sampling); the next
+        sync or generation takes it again. Nothing to give back for most engines."""
+
     @property
     @abc.abstractmethod
     def context_length(self) -> int:

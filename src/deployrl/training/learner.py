@@ -258,13 +258,13 @@ class GradedPass:
     def backward(self, mini: list[int], tally: Tally) -> tuple[float, list[int]]:
         """Backpropagate this rank's share of the mini-batch `mini`, in micro-batches; (this rank's loss,
         the rows of its micro-batches whose loss was not finite)."""
-        learner, batch = self.learner, self.rollouts.batch
-        count = batch_denominator(learner.config.algo.aggregation, self.mask[torch.tensor(mini, device=self.mask.device)])
+        learner, rows = self.learner, torch.tensor(mini, device=self.mask.device)
+        count = batch_denominator(learner.config.algo.aggregation, self.mask[rows])
         active = [r for r in mini if self.cutoffs[r] > 0]
         plans = learner.passes.micro_batch_plans(active, self.prompt_tokens, self.cutoffs, self.groups)
         losses: list[tuple[list[int], torch.Tensor]] = []
-        learner.passes.run_micro_batches(plans, lambda micro: losses.append((micro, self._micro_batch(micro, count, tally))),
-                                  backward=True)
+        learner.passes.run_micro_batches(
+            plans, lambda micro: losses.append((micro, self._micro_batch(micro, count, tally))), backward=True)
         values = torch.stack([loss for _, loss in losses]).tolist() if losses else []  # one host sync
         nonfinite = [r for (micro, _), value in zip(losses, values) if not math.isfinite(value) for r in micro]
         return sum(values, 0.0), nonfinite

@@ -118,6 +118,14 @@ class Rollouts:
         ][:count]
 
 
+def trainer_reserve(model: torch.nn.Module, config: TrainConfig) -> int:
+    """Bytes the trainer allocates after its engine starts and holds for the run: AdamW's two moments
+    of every trainable weight, and the KL term's reference copy of the model."""
+    size = [p.numel() * p.element_size() for p in model.parameters()]
+    trainable = sum(n for n, p in zip(size, model.parameters()) if p.requires_grad)
+    return 2 * trainable + (sum(size) if config.algo.kl_coef > 0 else 0)
+
+
 def data_order(size: int, seed: int) -> list[int]:
     """The order in which a run uses its task's `size` examples: a permutation seeded by `seed`."""
     order = list(range(size))
@@ -175,8 +183,8 @@ class RolloutWorker:
         """
         rollout, cfg = self.config.rollout, self.config.model
         model = self.model if weights is None else load_model(self.source, cfg.dtype, False, cfg.trust_remote_code)
-        engine = make_engine(rollout.engine, model, self.source, self.end_tokens, rollout.context_length,
-                             threads=rollout.threads, parallel=rollout.parallel, lora_serving=rollout.lora_serving)
+        engine = make_engine(rollout.engine, model, self.source, self.end_tokens, **rollout.engine_settings(),
+                             reserved_bytes=trainer_reserve(self.model, self.config))
         if weights is not None:
             engine.sync(weights)
         self.check_kernels(engine)
@@ -209,15 +217,16 @@ class RolloutWorker:
         wanted = cfg.rollout.prompts_per_step
         params = replace(cfg.rollout.sampling(seed=cfg.seed * SEED_STRIDE + step), top_m=self.top_m)
         rollouts = self.sample(stream.take(wanted), params, step)
-        if refill_rounds is None:
-            return rollouts
-        rollouts = rollouts.select(~zero_variance_groups(rollouts.rewards))
-        for round_ in range(1, refill_rounds + 1):
-            if len(rollouts.examples) >= wanted:
-                break
-            params = replace(params, seed=params.seed + 7919 * round_)
-            extra = self.sample(stream.take(wanted - len(rollouts.examples)), params, step)
-            rollouts = Rollouts.cat([rollouts, extra.select(~zero_variance_groups(extra.rewards))])
+        if refill_rounds is not None:
+            rollouts = rollouts.select(~zero_variance_groups(rollouts.rewards))
+            for round_ in range(1, refill_rounds + 1):
+                if len(rollouts.examples) >= wanted:
+                    break
+                params = replace(params, seed=params.seed + 7919 * round_)
+                extra = self.sample(stream.take(wanted - len(rollouts.examples)), params, step)
+                rollouts = Rollouts.cat([rollouts, extra.select(~zero_variance_groups(extra.rewards))])
+        if self.engine is not None:
+            self.engine.release()  # the trainer works next; the weight sync takes the memory back
         return rollouts
 
     def sample(self, examples: list[Example], params: SamplingParams, step: int) -> Rollouts:
