@@ -92,6 +92,7 @@ def fake_vllm(monkeypatch, tmp_path):
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr("deployrl.engines.vllm_engine._live_engines", weakref.WeakSet())  # real engines elsewhere
     RecordingLLM.calls, RecordingLLM.created = [], []
     return RecordingLLM
 
