@@ -62,7 +62,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -176,13 +176,22 @@ def _destroy_parallel_state() -> None:
     destroy_distributed_environment()
 
 
-def engine_weights(base: dict[str, torch.Tensor], config, dtype: torch.dtype):
-    """The trainer's (base) weights as vLLM loads them: HF names, the output head present even
-    when tied to the embeddings, in the engine's dtype."""
-    weights = dict(base)
-    if "lm_head.weight" not in weights and getattr(config, "tie_word_embeddings", False):
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    return {name: value.detach().to(dtype) for name, value in weights.items()}
+HEADS = ("model.embed_tokens.weight", "lm_head.weight")  # what vLLM keeps unquantised, read back after a sync
+
+
+def engine_tensors(base: dict[str, torch.Tensor], config, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's (base) weights as vLLM loads them: HF names, the output head present even when
+    tied to the embeddings, in the engine's dtype; one at a time, each cast where it lives when it
+    is taken, so that a reload never holds a second copy of the model."""
+    tied = "lm_head.weight" not in base and getattr(config, "tie_word_embeddings", False)
+    names = [*base, "lm_head.weight"] if tied else list(base)
+    for name in names:
+        yield name, base[HEADS[0] if tied and name == HEADS[1] else name].detach().to(dtype)
+
+
+def engine_weights(base: dict[str, torch.Tensor], config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`engine_tensors` all at once (the model file vLLM starts from)."""
+    return dict(engine_tensors(base, config, dtype))
 
 
 def _write_model(folder: Path, weights: dict[str, torch.Tensor], config, architecture: str) -> None:
@@ -309,13 +318,14 @@ class VLLMEngine(RolloutEngine):
         self.llm.wake_up(tags=[tag])
         self._sleeping.discard(tag)
         if tag == "weights" and reload and self._level == SLEEP_DISCARDS:
-            self._reload(engine_weights(self._last_base, self.config, self.dtype))
+            self._reload(self._last_base)
         if tag == "kv_cache":
             self.llm.reset_prefix_cache()
 
-    def _reload(self, weights: dict[str, torch.Tensor]) -> None:
-        """Every weight into vLLM in place, one tensor at a time, where the tensors live."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items())})
+    def _reload(self, base: dict[str, torch.Tensor]) -> None:
+        """Every weight into vLLM in place, one tensor at a time, cast where it lives as vLLM takes it."""
+        weights = engine_tensors(base, self.config, self.dtype)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached prefixes hold keys and values of the old weights
 
     def sync(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -328,10 +338,10 @@ class VLLMEngine(RolloutEngine):
             self._wake("kv_cache")  # the adapter is activated by a one-token request
             self._load_adapters(adapters)
         else:
-            weights = engine_weights(base, self.config, self.dtype)
-            self._reload(weights)
+            self._reload(base)
             self._last_base = base
-            self._check_took(weights)
+            self._check_took({name: value for name, value in engine_tensors(base, self.config, self.dtype)
+                              if name in HEADS})
             self._wake("kv_cache")
         self.last_sync_s = time.perf_counter() - start
 
