@@ -11,7 +11,9 @@ weights travel. Steps, each timed:
 
 1. environment: torch, transformers, the card, its compute capability;
 2. training: `--steps` steps with `hf:bf16` sampling and as many with `hf:fp8` (real FP8
-   matmuls through `torch._scaled_mm` on compute capability >= 8.9, simulated elsewhere), LoRA
+   matmuls through `torch._scaled_mm` on compute capability >= 8.9, simulated elsewhere; with
+   vLLM installed, `--engines vllm:bf16,vllm:fp8` colocates vLLM instead, recording the card's
+   free memory around each sleep), LoRA
    on the fp32 trainer with bf16 autocast (the defaults on CUDA); asserts that the model and the
    optimizer state live on the device; s/step, sampled tokens/s, peak memory, mean D;
 3. tests: the device-parametrized tests, on this device (`-k <device>`);
@@ -112,6 +114,20 @@ def arithmetic_task(directory: Path, count: int = 64) -> Path:
     return path
 
 
+def free_memory_around_release(engine) -> list[tuple[float, float]]:
+    """The card's free GiB before and after each `engine.release()` (a vLLM engine's sleep), recorded
+    into the returned list as the run goes."""
+    record, release = [], engine.release
+
+    def measured() -> None:
+        before = torch.cuda.mem_get_info()[0]
+        release()
+        record.append((before / 2**30, torch.cuda.mem_get_info()[0] / 2**30))
+
+    engine.release = measured
+    return record
+
+
 def train(model_dir: Path, task: Path, engine: str, device: str, steps: int, max_new_tokens: int,
           output_dir: Path) -> dict[str, Any]:
     """`steps` training steps sampling with `engine`; what they took, and where the state lived."""
@@ -130,6 +146,7 @@ def train(model_dir: Path, task: Path, engine: str, device: str, steps: int, max
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(config)
     where = trainer.world.device
+    sleeps = free_memory_around_release(trainer.rollout.engine) if cuda else []
     history = trainer.run()
     states = [t for s in trainer.learner.optimizer.state.values() for t in s.values() if t.dim() > 0]
     on_device = all(p.device == where for p in trainer.model.parameters()) and all(t.device == where for t in states)
@@ -142,6 +159,7 @@ def train(model_dir: Path, task: Path, engine: str, device: str, steps: int, max
         "sampled_tokens_per_s": [m["engine/tokens_per_s"] for m in history],
         "mean_D": [m.get("dc/mean_D") for m in history], "loss": [m.get("loss") for m in history],
         "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "free_gib_before_after_release": sleeps,
     }
     del trainer
     gc.collect()
@@ -201,6 +219,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="training steps per engine")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens sampled per completion in training")
     parser.add_argument("--t-max", type=int, nargs="+", default=[4096, 16384], help="bench update's completion lengths")
+    parser.add_argument("--engines", default="hf:bf16,hf:fp8",
+                        help="the engines training samples with (with vLLM installed: vllm:bf16,vllm:fp8)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["train", "tests", "bench"], help="steps to leave out")
     parser.add_argument("--out", default="gpu_check.json", help="where the JSON goes")
     args = parser.parse_args()
@@ -212,8 +232,8 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"no CUDA device: this torch ({torch.__version__}) sees none; the dry run is --device cpu")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    report: dict[str, Any] = {"environment": environment(device), "installed_wheels": install_missing_wheels(args.prepared),
-                              "seconds": {}}
+    report: dict[str, Any] = {"environment": environment(device),
+                              "installed_wheels": install_missing_wheels(args.prepared), "seconds": {}}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="deployrl-gpu-check-") as scratch:
         work = Path(scratch)
@@ -222,7 +242,7 @@ def main() -> int:
         report["seconds"]["build"] = time.perf_counter() - start
         if "train" not in args.skip:
             report["train"] = []
-            for engine in ("hf:bf16", "hf:fp8"):
+            for engine in args.engines.split(","):
                 began = time.perf_counter()
                 report["train"].append(train(work / "model", task, engine, args.device, args.steps, args.max_new_tokens,
                                              work / f"run-{engine.replace(':', '-')}"))

@@ -376,8 +376,8 @@ def test_nan_gradients_in_a_row_stop_the_run(tmp_path, tiny_dir, tally):
 class FlakyEngine:
     """Wraps an engine; each generate call fails in the way the next item of `faults` names (None: not)."""
 
-    def __init__(self, engine, faults, release: threading.Event) -> None:
-        self.engine, self.faults, self.release, self.name = engine, faults, release, engine.name
+    def __init__(self, engine, faults, unhang: threading.Event) -> None:
+        self.engine, self.faults, self.unhang, self.name = engine, faults, unhang, engine.name
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -387,7 +387,7 @@ class FlakyEngine:
         if fault == "raise":
             raise RuntimeError("llama_decode returned -1")
         if fault == "hang":
-            self.release.wait(30)
+            self.unhang.wait(30)
         batch = self.engine.generate(prompts, params)
         if fault == "bad_token":
             batch.completion_ids[0, 0] = 10_000
