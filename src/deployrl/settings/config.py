@@ -171,7 +171,8 @@ class RolloutConfig:
     lora_serving: str = setting("adapter", lambda: f"a LoRA run's adapters in the engine: {lora_serving_help()}")
     gpu_memory_utilization: Optional[float] = setting(
         None, "vllm on a GPU: the share of the card vLLM takes (weights and KV cache) beside the trainer; None: the"
-              " memory free when it starts, less 10% of the card (docs/gpu.md)")
+              " memory free when it starts, less what the trainer allocates later (AdamW state, a KL reference) and"
+              " 10% of the card (docs/gpu.md)")
     enforce_eager: bool = setting(False, "vllm on a GPU: no torch.compile or CUDA graphs (starts faster, decodes"
                                          " slower); always eager on the CPU")
     sleep: bool = setting(True, "vllm on a GPU: sleep mode, the card released while the trainer works (level 1, the"
