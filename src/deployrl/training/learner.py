@@ -247,7 +247,7 @@ class GradedPass:
         # the step's [B, T] tensors on the model's device once; micro-batches index them there
         on = functools.partial(torch.Tensor.to, device=device)
         self.mask, self.logp_inf, self.known = on(batch.mask), on(batch.logp_inf), on(known)
-        self.cutoffs_on, self.plan_weights = on(plan.cutoffs), on(plan.weights)
+        self.plan_weights = on(plan.weights)
         self.logp_old = on(old.logp) if old is not None else torch.zeros(batch.mask.shape, device=device)
         self.logp_ref = on(old.logp_ref) if old is not None and old.logp_ref is not None else None
         self.advantages = on(learner.group_advantages(rollouts))  # once per step
@@ -274,10 +274,12 @@ class GradedPass:
         learner, batch, cutoffs = self.learner, self.rollouts.batch, self.cutoffs
         width, graded_tokens = max(cutoffs[r] for r in micro), sum(cutoffs[r] for r in micro)
         rows = torch.tensor(micro, device=self.mask.device)
-        kept = torch.arange(width, device=rows.device)[None, :] < self.cutoffs_on[rows][:, None]  # [b, width]
+        # [b, width] from the host's cutoffs: the forward reads its lengths without waiting for the device
+        kept = torch.arange(width)[None, :] < self.plan.cutoffs[micro][:, None]
         graded = token_logprobs(learner.passes.scorer, [batch.prompt_ids[r] for r in micro],
                                 batch.completion_ids[micro, :width], kept, self.view,
                                 learner.config.model.chunk_tokens).logp
+        kept = kept.to(rows.device)
         prompts_fed = {self.groups[r] if self.groups else r: self.prompt_tokens[r] for r in micro}
         work = tally.work
         work["graded"] += graded_tokens
