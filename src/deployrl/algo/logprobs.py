@@ -122,6 +122,8 @@ def chunked_token_stats(
     hidden [B, T, D] (the hidden state that predicts each target), head_weight [V, D],
     targets [B, T] long, mask [B, T]. Only real tokens are computed, `chunk_tokens` at a time.
     `with_stats` adds the PS-PPO proxies' inputs: entropy, sum_v p_v^2 and ||h|| (no grad).
+    `targets` and `mask` may live on the host while `hidden` is on a GPU: the real tokens are then
+    found on the host, and the device is never waited on. Results are on hidden's device.
     """
     if hidden.shape[:2] != targets.shape or targets.shape != mask.shape:
         raise ValueError(
@@ -130,8 +132,9 @@ def chunked_token_stats(
         )
     check_positive("chunk_tokens", chunk_tokens)
     real = mask.bool()
-    flat_hidden = hidden[real]  # [N, D]
-    flat_targets = targets[real]  # [N]
+    index = real.reshape(-1).nonzero().squeeze(1).to(hidden.device)  # [N] real positions, found where the mask is
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)  # [N, D]
+    flat_targets = targets.reshape(-1).to(hidden.device).index_select(0, index)  # [N]
     columns = 3 if with_stats else 1
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
     pieces = []
@@ -144,8 +147,8 @@ def chunked_token_stats(
     flat = torch.cat(pieces) if pieces else hidden.new_zeros(0, columns, dtype=torch.float32)
 
     def scatter(column: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
-        return out.masked_scatter(real, column)
+        out = torch.zeros(mask.numel(), dtype=torch.float32, device=hidden.device)
+        return out.index_copy(0, index, column.float()).reshape(mask.shape)
 
     stats = TokenStats(logp=scatter(flat[:, 0]))
     if with_stats:

@@ -399,9 +399,7 @@ def token_logprobs(
     scorer = model if isinstance(model, Scorer) else Scorer(model)
 
     def stats(hidden: torch.Tensor, head: torch.Tensor) -> TokenStats:
-        device = hidden.device
-        return chunked_token_stats(
-            hidden, head, completion_ids.to(device), mask.to(device), view, chunk_tokens, with_stats
-        )
+        # the mask stays where it is: on the host, the real tokens are found without waiting for the device
+        return chunked_token_stats(hidden, head, completion_ids, mask, view, chunk_tokens, with_stats)
 
     return scorer(prompt_ids, completion_ids, mask, stats)
