@@ -30,7 +30,8 @@ vLLM's LoRA kernels cost more than the merge, docs/engines.md).
 
 On a GPU vLLM shares the card with the trainer (TRL's colocate mode). It takes
 `gpu_memory_utilization` of the card (`rollout.gpu_memory_utilization`; by default the memory
-free when it starts, less `MEMORY_MARGIN` of the card), compiles and captures CUDA graphs unless
+free when it starts, less what the trainer allocates after it (`reserved_bytes`) and
+`MEMORY_MARGIN` of the card), compiles and captures CUDA graphs unless
 `enforce_eager`, and with `sleep` (the default) it sleeps while the trainer works: after a
 step's sampling (`release`) it gives the card back (level 1, the base offloaded to the host, when adapters are
 served; level 2, weights discarded, when every weight is synced anyway), and wakes in TRL's order:
