@@ -341,8 +341,8 @@ class VLLMEngine(RolloutEngine):
         else:
             self._reload(base)
             self._last_base = base
-            self._check_took({name: value for name, value in engine_tensors(base, self.config, self.dtype)
-                              if name in HEADS})
+            self._check_took(engine_weights({name: base[name] for name in HEADS if name in base}, self.config,
+                                            self.dtype))
             self._wake("kv_cache")
         self.last_sync_s = time.perf_counter() - start
 

@@ -15,7 +15,7 @@ instead of comparing their names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +27,7 @@ from deployrl.algo.losses import AGGREGATIONS, KL_ESTIMATORS, check_loss_setting
 from deployrl.algo.prefix import STRATEGIES, UNCERTAINTY_METRICS, check_law_settings
 from deployrl.engines import (
     ENGINES,
+    EngineSettings,
     LoraServing,
     check_model_file,
     engine_help,
@@ -209,10 +210,8 @@ class RolloutConfig:
             )
 
     def engine_settings(self) -> dict:
-        """The `EngineSettings` fields this section sets (for `make_engine`)."""
-        return {"context_length": self.context_length, "threads": self.threads, "parallel": self.parallel,
-                "lora_serving": self.lora_serving, "gpu_memory_utilization": self.gpu_memory_utilization,
-                "enforce_eager": self.enforce_eager, "sleep": self.sleep}
+        """The `EngineSettings` fields this section sets, by name (for `make_engine`)."""
+        return {f.name: getattr(self, f.name) for f in fields(EngineSettings) if f.name in self.__dataclass_fields__}
 
     @property
     def every_rank_samples(self) -> bool:

@@ -121,9 +121,10 @@ class Rollouts:
 def trainer_reserve(model: torch.nn.Module, config: TrainConfig) -> int:
     """Bytes the trainer allocates after its engine starts and holds for the run: AdamW's two moments
     of every trainable weight, and the KL term's reference copy of the model."""
-    size = [p.numel() * p.element_size() for p in model.parameters()]
-    trainable = sum(n for n, p in zip(size, model.parameters()) if p.requires_grad)
-    return 2 * trainable + (sum(size) if config.algo.kl_coef > 0 else 0)
+    def nbytes(trainable_only: bool) -> int:
+        return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+    return 2 * nbytes(True) + (nbytes(False) if config.algo.kl_coef > 0 else 0)
 
 
 def data_order(size: int, seed: int) -> list[int]:

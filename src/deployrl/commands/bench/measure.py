@@ -71,8 +71,8 @@ def synchronize(device: torch.device) -> None:
 
 
 def device_name(device: torch.device) -> str:
-    """`device` for benchmark headers: the card's name on CUDA, the processor's on CPU."""
-    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else f"cpu ({cpu_name()})"
+    """`device` for benchmark headers, with the card's name on CUDA (the header names the processor)."""
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
 def cpu_name() -> str:
