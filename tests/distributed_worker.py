@@ -51,6 +51,7 @@ def run(tiny_dir: Path, root: Path, overrides: list[str], resume: bool, fail_ran
     weights = full_state_dict(trainer.model, trainer.world)
     if rank == 0:
         save_file({k: v.clone().contiguous() for k, v in weights.items()}, root / "weights.safetensors")
+    trainer.close()
 
 if __name__ == "__main__":
     main()

@@ -219,3 +219,26 @@ def test_one_process_leaves_a_process_group_it_did_not_start_alone(tmp_path):
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_engines_weights_are_gathered_whole_or_adapters_alone(tmp_path):
+    """FSDP2 shards gathered one tensor at a time equal torch's gathered state dict; with
+    `base=False` only the adapters are gathered; `to_main_only` leaves the other ranks nothing."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(TESTS / "gather_worker.py"), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    finished(subprocess.run(command, env=env, capture_output=True, text=True, timeout=300))
+    for rank in (0, 1):
+        got = load_file(tmp_path / f"rank{rank}.safetensors")
+        ways = {way: {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith(way + "/")}
+                for way in ("reference", "all", "main", "adapters", "adapters_main")}
+        reference = ways["reference"]
+        adapters = {k for k in reference if ".lora_" in k}
+        assert adapters and len(adapters) < len(reference)
+        assert set(ways["all"]) == set(reference) and set(ways["adapters"]) == adapters
+        assert set(ways["main"]) == (set(reference) if rank == 0 else set())
+        assert set(ways["adapters_main"]) == (adapters if rank == 0 else set())
+        for way in ("all", "main", "adapters", "adapters_main"):
+            assert all(torch.equal(value, reference[k]) for k, value in ways[way].items()), way

@@ -188,12 +188,6 @@ def test_every_engine_spec_has_a_self_check_bound():
     assert specs == set(GAP_BOUNDS)
 
 
-def test_the_vllm_engine_refuses_to_share_a_process_with_torchrun_ranks(model, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="cannot share it with torch.distributed ranks"):
-        make_engine("vllm:bf16", model, ModelSource("tiny", None), EOS)
-
-
 def trainer_distributions(model, batch, view):
     """log p [B, T, V] of every next-token distribution of the batch's completions, processed by `view`."""
     rows = []

@@ -374,16 +374,24 @@ def test_nan_gradients_in_a_row_stop_the_run(tmp_path, tiny_dir, tally):
 
 
 class FlakyEngine:
-    """Wraps an engine; each generate call fails in the way the next item of `faults` names (None: not)."""
+    """Wraps an engine; each generate call fails in the way the next item of `faults` names (None: not).
+    `closed` lists the faults of the engines closed after failing."""
+
+    closed: list = []
 
     def __init__(self, engine, faults, unhang: threading.Event) -> None:
         self.engine, self.faults, self.unhang, self.name = engine, faults, unhang, engine.name
+        self.fault = None
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
+    def close(self) -> None:
+        FlakyEngine.closed.append(self.fault)
+        self.engine.close()
+
     def generate(self, prompts, params) -> RolloutBatch:
-        fault = next(self.faults, None)
+        fault = self.fault = next(self.faults, None)
         if fault == "raise":
             raise RuntimeError("llama_decode returned -1")
         if fault == "hang":
@@ -402,6 +410,7 @@ def flaky_engines(monkeypatch, trainer: Trainer, faults: list) -> threading.Even
     """Make every engine of `trainer`, the first and the rebuilt ones, fail its calls as `faults`
     says in turn; returns the event that releases a hung call."""
     release, plan = threading.Event(), iter(faults)
+    FlakyEngine.closed = []
     trainer.rollout.engine = FlakyEngine(trainer.rollout.engine, plan, release)
     build = trainer.rollout.build_engine
     monkeypatch.setattr(trainer.rollout, "build_engine", lambda weights=None: FlakyEngine(build(weights), plan, release))
@@ -424,6 +433,8 @@ def test_engine_failures_are_retried_on_a_fresh_engine(baseline, tmp_path, tiny_
     assert "EngineTimeout" in failures[2]["error"] and "rollout.timeout_s=2" in failures[2]["error"]
     assert "non-finite logp_inf" in failures[3]["error"]
     assert "must be a [24, T] tensor" in failures[4]["error"]
+    # a failed engine is closed (its memory is the retry's); a hung one is left to its running call
+    assert FlakyEngine.closed == ["raise", "bad_token", "nan_logp", "short"]
     got = losses(tmp_path / "run")
     lost = lost_steps(got, {s: baseline["losses"][s] for s in range(1, 5)})  # no bad batch reached the loss
     tally["data_lost"] += len(lost)

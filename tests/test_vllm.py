@@ -233,3 +233,18 @@ def test_the_colocation_stand_in_has_vllms_signatures():
         real, ours = (inspect.signature(getattr(cls, name)).parameters for cls in (vllm.LLM, RecordingLLM))
         assert [(p.name, p.kind, p.default) for p in ours.values()] == \
             [(p.name, p.kind, p.default) for p in real.values()], name
+
+
+@pytest.mark.slow
+def test_two_ranks_sample_with_their_own_vllm_and_train_as_one_process(tmp_path, tiny_dir_128):
+    """torchrun with vLLM (external_launcher): each rank's engine samples its share, seeded per
+    prompt, so the 2-rank run draws the 1-process run's completions and takes its steps."""
+    from test_distributed import finished, launch, ranks_log
+
+    for ranks in (1, 2):
+        finished(launch(ranks, tmp_path / f"ranks{ranks}", tiny_dir_128, ["grpo"], "steps=2",
+                        "rollout.engine=vllm:fp32"))
+    single, double = ranks_log(tmp_path / "ranks1" / "grpo", 0), ranks_log(tmp_path / "ranks2" / "grpo", 0)
+    assert double["reward"] == single["reward"]
+    # the gradient of a 2-rank step sums the same rows in another order: fp32 rounding apart
+    assert double["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-3)  # as tests/test_distributed.py

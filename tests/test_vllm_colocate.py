@@ -206,3 +206,33 @@ def test_the_trainer_reserves_its_optimizer_state_and_kl_reference(model):
     everything = sum(p.numel() * 4 for p in model.parameters())
     assert trainer_reserve(model, load_config(None, [])) == 2 * adapters
     assert trainer_reserve(model, load_config(None, ["algo.kl_coef=0.1"])) == 2 * adapters + everything
+
+
+def test_under_torchrun_each_rank_joins_the_ranks_group_and_leaves_it_standing(fake_vllm, model, monkeypatch):
+    """TRL's colocate mode: executor external_launcher (vLLM inside the ranks' process group, on this
+    rank's device), no tensor parallelism; closing the engine must not destroy the trainer's group."""
+    alone_folder = model_folder(model.config, "LlamaForCausalLM", torch.bfloat16)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    # the ranks start together (a collective): none may wait for another's folder lock
+    assert model_folder(model.config, "LlamaForCausalLM", torch.bfloat16) == alone_folder.with_name(
+        alone_folder.name + "-rank1")
+    vllm_engine = engine(model)
+    options = fake_vllm.created[0]().options
+    assert options["distributed_executor_backend"] == "external_launcher" and options["tensor_parallel_size"] == 1
+    vllm_engine.close()
+    assert ("destroy_model_parallel",) in fake_vllm.calls
+    assert ("destroy_distributed_environment",) not in fake_vllm.calls
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    alone = engine(model)
+    assert fake_vllm.created[1]().options["distributed_executor_backend"] == "uni"
+    alone.close()
+
+
+def test_vllm_needs_an_engine_on_every_rank(model):
+    from deployrl.settings.config import load_config
+
+    with pytest.raises(ValueError, match="needs rollout.engine_ranks=all: under torchrun vLLM joins"):
+        load_config(None, ["rollout.engine=vllm:bf16", "rollout.engine_ranks=main"])
+    load_config(None, ["rollout.engine=vllm:bf16"])
+    load_config(None, ["rollout.engine=hf:fp32", "rollout.engine_ranks=main"])

@@ -67,5 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         written = trainer.export(Path(args.export))
         if written:
             print("exported: " + ", ".join(str(p) for p in written.values()))
+    trainer.close()
     close_world(trainer.world)
     return 0

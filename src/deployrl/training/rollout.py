@@ -186,9 +186,13 @@ class RolloutWorker:
         model = self.model if weights is None else load_model(self.source, cfg.dtype, False, cfg.trust_remote_code)
         engine = make_engine(rollout.engine, model, self.source, self.end_tokens, **rollout.engine_settings(),
                              reserved_bytes=trainer_reserve(self.model, self.config))
-        if weights is not None:
-            engine.sync(weights)
-        self.check_kernels(engine)
+        try:
+            if weights is not None:
+                engine.sync(weights)
+            self.check_kernels(engine)
+        except BaseException:
+            engine.close()  # a retry starts on the memory this one held
+            raise
         return engine
 
     def sync(self, weights: dict[str, torch.Tensor], reference: torch.Tensor) -> None:
@@ -198,6 +202,21 @@ class RolloutWorker:
         if self.engine is not None:
             self.engine.sync(weights)
             self.check_kernels(self.engine)
+
+    def close(self) -> None:
+        """Close this rank's engine, if it has one (a failed close is logged: it must not hide why)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                engine.close()
+            except Exception as err:
+                log.warning("closing engine %s failed: %s: %s", engine.name, type(err).__name__, err)
+
+    def takes_base(self) -> bool:
+        """Whether the next sync must carry the base weights (some rank's engine needs them); every
+        rank asks, as the gather that follows is a collective."""
+        needs = self.engine.takes_base if self.engine is not None else self.samples
+        return any_rank(needs, self.world)
 
     def check_kernels(self, engine: RolloutEngine) -> None:
         """The engine's kernel self-check against the trainer's current weights (KernelMismatch); for
@@ -299,6 +318,8 @@ class RolloutWorker:
                     batch = replace(pad_rollouts([], [], [], [], semantics, params.n), stats=stats)
             except Exception as err:
                 failure = err
+                if not isinstance(err, EngineTimeout):  # a hung engine's call still runs: left to itself
+                    self.close()  # its memory (a GPU's) is what the retry's engine starts on
                 self.engine = None  # never reused: it may be hung, or broken in a way a retry would repeat
                 self.logger.log_event(step + 1, "engine_failure", engine=rollout.engine, attempt=attempt + 1,
                                       error=f"{type(err).__name__}: {err}")

@@ -144,14 +144,17 @@ class Trainer:
         step = int(all_reduce_sum([mine], self.world)[0])  # rank 0's value: the others add 0
         return None if step < 0 else checkpoint_path(self.run_dir, step)
 
-    def engine_weights(self) -> dict[str, torch.Tensor]:
-        """The model's whole weights for the engines: on every rank, or on rank 0 alone when only it
-        samples (`rollout.engine_ranks=main`; the others get {}). A collective when sharded."""
-        return full_state_dict(self.model, self.world, to_main_only=not self.config.rollout.every_rank_samples)
+    def engine_weights(self, base: bool = True) -> dict[str, torch.Tensor]:
+        """The model's weights for the engines (`base=False`: the LoRA adapters only): on every rank,
+        or on rank 0 alone when only it samples (`rollout.engine_ranks=main`; the others get {}). A
+        collective when sharded."""
+        return full_state_dict(self.model, self.world, to_main_only=not self.config.rollout.every_rank_samples,
+                               base=base)
 
     def sync_engine(self) -> None:
-        """Give this rank's engine (if it has one) the model's current weights; every rank calls it."""
-        weights = self.engine_weights()
+        """Give this rank's engine (if it has one) the model's current weights, the adapters alone when
+        every engine serves them on a base it holds; every rank calls it."""
+        weights = self.engine_weights(base=self.rollout.takes_base())
         reference = reference_logprobs(self.learner.passes.scorer, self.rollout.check_ids)  # a collective when sharded
         self.rollout.sync(weights, reference)
 
@@ -285,6 +288,10 @@ class Trainer:
             if not failed:
                 raise
             log.warning("could not finish the run's logs: %s: %s", type(err).__name__, err)
+
+    def close(self) -> None:
+        """Free the engine (before the process group goes: under torchrun vLLM's groups live in it)."""
+        self.rollout.close()
 
     def save(self) -> Path:
         self.state.correction, self.state.data_position = self.learner.correction.state_dict(), self.stream.position
