@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from test_trainer import VARIANTS, toy_config
 
@@ -52,6 +53,7 @@ def run(tiny_dir: Path, root: Path, overrides: list[str], resume: bool, fail_ran
     if rank == 0:
         save_file({k: v.clone().contiguous() for k, v in weights.items()}, root / "weights.safetensors")
     trainer.close()
+    assert not trainer.world.distributed or dist.is_initialized(), "closing the trainer destroyed the process group"
 
 if __name__ == "__main__":
     main()

@@ -173,9 +173,22 @@ def _start_llm(weights: dict[str, torch.Tensor], config, architecture: str, **op
 
 
 def _shutdown(llm) -> None:
-    """Stop vLLM's engine core (its worker and the memory it holds)."""
+    """Stop vLLM's engine core (its worker and the memory it holds).
+
+    The in-process core's shutdown ends with vLLM's `destroy_distributed_environment`, which destroys
+    torch's default process group: under torchrun that group is the trainer's (every rank then hangs
+    in its next collective), so there it is kept, with vLLM's world group, for the next engine."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
+    if core is None or not hasattr(core, "shutdown"):
+        return
+    if not _under_torchrun():
+        core.shutdown()
+        return
+    from unittest import mock
+
+    from vllm.distributed import parallel_state
+
+    with mock.patch.object(parallel_state, "destroy_distributed_environment", lambda: None):
         core.shutdown()
 
 
