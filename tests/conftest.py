@@ -27,6 +27,19 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """A tiny random Llama in a GGUF that carries SmolLM2's tokenizer and chat template."""
+    from tiny import tiny_model
+
+    from deployrl.engines.gguf_io import write_gguf
+    from deployrl.models.loading import resolve_model
+
+    model = tiny_model("llama", vocab_size=49152, hidden_size=64, init_std=0.05)
+    template = resolve_model("smollm2-135m").gguf_path
+    return write_gguf(model.state_dict(), model.config, template, tmp_path_factory.mktemp("gguf") / "tiny.gguf", "f32")
+
+
+@pytest.fixture(scope="session")
 def report_to_terminal(request):
     """A function that prints a line past pytest's output capture, onto the terminal (the fault and
     fuzz suites report their counts with it)."""

@@ -28,19 +28,6 @@ def rows_in_this_process(monkeypatch):
     monkeypatch.setattr(step, "in_fresh_process", in_this_process)
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    """A tiny random Llama in a GGUF that carries SmolLM2's tokenizer and chat template."""
-    from tiny import tiny_model
-
-    from deployrl.engines.gguf_io import write_gguf
-    from deployrl.models.loading import resolve_model
-
-    model = tiny_model("llama", vocab_size=49152, hidden_size=64, init_std=0.05)
-    template = resolve_model("smollm2-135m").gguf_path
-    return write_gguf(model.state_dict(), model.config, template, tmp_path_factory.mktemp("gguf") / "tiny.gguf", "f32")
-
-
 def table_rows(out: str) -> dict[str, list[str]]:
     """The markdown table's rows by their first cell."""
     lines = [line for line in out.splitlines() if line.startswith("| ")][1:]  # past the header

@@ -74,10 +74,23 @@ COMMAND_LINE = CommandLine(
 )
 
 
-def main(argv: list[str] | None = None) -> int:
+def score_in_engine(engine_spec: str, model, engine_source, tokenizer, task, config: EvalCommandConfig) -> dict:
+    """`config`'s scores of `model` on `task`, sampled by a fresh `engine_spec` engine (its kernel
+    self-check passed first; closed afterwards)."""
     from deployrl.engines import make_engine
     from deployrl.engines.check import verify_engine
-    from deployrl.models.loading import end_token_ids, load_model, load_tokenizer, resolve_model
+    from deployrl.models.loading import end_token_ids
+
+    engine = make_engine(engine_spec, model, engine_source, end_token_ids(tokenizer, model))
+    try:
+        verify_engine(engine, model, tokenizer)
+        return evaluate(engine, tokenizer, task, config, config.max_new_tokens, config.seed)
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from deployrl.models.loading import load_model, load_tokenizer, resolve_model
     from deployrl.models.lora import ADAPTER_CONFIG, adapter_base, attach_adapter
 
     config, _ = COMMAND_LINE.parse(argv)
@@ -95,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(source).eval()
     if adapter is not None:  # the engine applies the adapter on the base, as in training
         attach_adapter(model, adapter)
-    engine = make_engine(config.engine, model, engine_source, end_token_ids(tokenizer, model))
-    verify_engine(engine, model, tokenizer)
-    scores = evaluate(engine, tokenizer, task, config, config.max_new_tokens, config.seed)
+    scores = score_in_engine(config.engine, model, engine_source, tokenizer, task, config)
     print(f"{task.name} with {config.model} in {config.engine}: " + ", ".join(
         f"{k} {v:.3f}" if isinstance(v, float) and v < 10 else f"{k} {v:g}" for k, v in scores.items()))
     if config.json:

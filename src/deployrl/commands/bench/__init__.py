@@ -4,6 +4,7 @@
     deployrl bench variance   gradient variance and cosine to the full gradient per cutoff strategy
     deployrl bench step       whole training steps of deployrl (and TRL's GRPOTrainer with --vs trl)
     deployrl bench engines    llama.cpp tokens/s, one completion at a time against batched decoding
+    deployrl bench vs-trl     deployrl against TRL at equal wall time, scored in the deployed engine
 
 Benchmarks print tables of ratios measured in one run; they are never timed tests.
 """
@@ -18,6 +19,7 @@ COMMANDS = {
     "variance": ("deployrl.commands.bench.variance", "gradient variance and cosine similarity per cutoff strategy and budget"),
     "step": ("deployrl.commands.bench.step", "seconds and peak memory per training step, optionally against TRL"),
     "engines": ("deployrl.commands.bench.engines", "llama.cpp tokens/s: one completion at a time vs batched, per K and length"),
+    "vs-trl": ("deployrl.commands.bench.vs_trl", "deployrl vs TRL at equal wall time, scored in the deployed engine"),
 }
 
 

