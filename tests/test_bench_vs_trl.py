@@ -62,6 +62,7 @@ def test_the_first_task_alone_runs_the_engine_arm():
 @pytest.mark.parametrize("argv, message", [
     (["--arms", "trl,verl"], "verl"),
     (["--tasks", "gsm9k"], "gsm9k"),
+    (["--eval-engines", "llamacpp:q4_1,nosuch:x"], "nosuch"),
     (["algo.aggregation=token_sum"], "aggregation"),
     (["--model", "missing.gguf"], "missing.gguf"),
 ])

@@ -40,6 +40,7 @@ COMMAND_CONFIGS = {
     "deployrl bench variance": "deployrl.commands.bench.variance:VarianceBenchConfig",
     "deployrl bench step": "deployrl.commands.bench.step:StepBenchConfig",
     "deployrl bench engines": "deployrl.commands.bench.engines:EnginesBenchConfig",
+    "deployrl bench vs-trl": "deployrl.commands.bench.vs_trl:VsTrlConfig",
 }
 
 

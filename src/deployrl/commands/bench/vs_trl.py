@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 from deployrl.algo._checks import check_positive
 from deployrl.commands.bench.measure import in_fresh_process, table
 from deployrl.commands.bench.step import default_cache_dir, environment, hf_model_dir
+from deployrl.engines import engine_help, parse_engine_spec
 from deployrl.registry import unknown_name_error
 from deployrl.settings.command_line import CommandLine, Flag
 from deployrl.settings.docs import setting
@@ -79,8 +80,8 @@ class VsTrlConfig:
         f"{name}: {label}" for name, (label, *_) in ARMS.items()))
     eval_problems: int = setting(128, "held-out problems per score")
     eval_samples: int = setting(4, "completions per problem (pass@1 is their mean)")
-    eval_engines: tuple[str, ...] = setting(("llamacpp:q4_1", "hf:fp32"), "the engines that score every adapter;"
-                                                                          " the first is the deployed one")
+    eval_engines: tuple[str, ...] = setting(("llamacpp:q4_1", "hf:fp32"), lambda: "the engines that score every"
+                                            f" adapter, the first the deployed one: {engine_help()}")
     model: str = setting("smollm2-135m", "the model: the smollm2-135m alias or a .gguf file (llama.cpp samples"
                                          " and scores from it)")
     cache_dir: Optional[str] = setting(None, "where the GGUF is dequantised for TRL, once (None: as bench step)")
@@ -94,6 +95,8 @@ class VsTrlConfig:
             for name in names:
                 if name not in valid:
                     raise unknown_name_error(kind, name, list(valid))
+        for engine in self.eval_engines:
+            parse_engine_spec(engine)
         if not self.seeds or not self.tasks or not self.arms or not self.eval_engines:
             raise ValueError("seeds, tasks, arms and eval_engines each need at least one entry")
 
