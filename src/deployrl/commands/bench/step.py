@@ -379,6 +379,11 @@ def parse_args(argv: list[str] | None) -> tuple[StepBenchConfig, list[str]]:
             " the hf rows then force their engine, correction, dynamic sampling and PS strategy",
         ),
     )
+    return parse_with_overrides(command_line, argv)
+
+
+def parse_with_overrides(command_line: CommandLine, argv: list[str] | None) -> tuple[Any, list[str]]:
+    """(a benchmark's settings, its `deployrl train` overrides); the model is set by --model alone."""
     config, args = command_line.parse(argv)
     for item in args.items:
         if "=" not in item or item.startswith("model.name="):

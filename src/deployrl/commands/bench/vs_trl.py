@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 from deployrl.algo._checks import check_positive
 from deployrl.commands.bench.measure import in_fresh_process, table
-from deployrl.commands.bench.step import default_cache_dir, environment, hf_model_dir
+from deployrl.commands.bench.step import default_cache_dir, environment, hf_model_dir, parse_with_overrides
 from deployrl.engines import engine_help, parse_engine_spec
 from deployrl.registry import unknown_name_error
 from deployrl.settings.command_line import CommandLine, Flag
@@ -494,11 +494,7 @@ def parse_args(argv: list[str] | None) -> tuple[VsTrlConfig, list[str]]:
         " (docs/benchmarks.md). Resumes what --out holds. Needs TRL: pip install 'deployrl[bench]'.",
         FLAGS, train_items=("key=value", "deployrl train config overrides for every arm and task"),
     )
-    config, args = command_line.parse(argv)
-    for item in args.items:
-        if "=" not in item or item.startswith("model.name="):
-            command_line.fail(f"{item!r}: expected a key=value config override (set the model with --model)")
-    return config, args.items
+    return parse_with_overrides(command_line, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
