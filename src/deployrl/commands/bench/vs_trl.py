@@ -64,6 +64,7 @@ ARMS = {  # name -> (label, framework, deployrl train overrides, on the first ta
     "deployrl_hf": ("deployrl with TRL's engine (hf:fp32)", "deployrl", ["rollout.engine=hf:fp32"], True),
 }
 BASE = "base"  # the untrained model's scores, minute 0 of every arm
+SECONDS = ("step_s", "generation_s", "update_s", "sync_s")  # a step's seconds and their split
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,8 @@ def _held_out(task_overrides: list[str], seed: int) -> list[str]:
 
 
 def _write_json(path: Path, value: Any) -> None:
+    """`value` as JSON at `path` (its folder made), whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(value, indent=2) + "\n")
     partial.replace(path)
@@ -330,10 +333,6 @@ def score_all(config: VsTrlConfig, overrides: list[str]) -> None:
                     continue
                 print(f"[{task} / seed {seed}] scoring {len(todo)} models of {run_dir} in "
                       + ", ".join(config.eval_engines), file=sys.stderr, flush=True)
-                for files in todo.values():
-                    Path(files[0]).parent.parent.mkdir(parents=True, exist_ok=True)
-                    for file in files:
-                        Path(file).parent.mkdir(exist_ok=True)
                 in_fresh_process("deployrl.commands.bench.vs_trl:score", {
                     "adapters": [adapters[m] for m in todo], "outs": list(todo.values()), "base": config.model,
                     "engines": list(config.eval_engines), "task_overrides": _held_out(task_overrides, seed),
@@ -382,8 +381,7 @@ def collect(config: VsTrlConfig) -> dict[str, Any]:
                 runs[seed] = {
                     **json.loads((run_dir / "run.json").read_text()),
                     "steps_by_mark": [sum(s["elapsed_s"] <= m for s in steps) for m in marks],
-                    "seconds": {k: statistics.median(s[k] for s in steps)
-                                for k in ("step_s", "generation_s", "update_s", "sync_s")},
+                    "seconds": {k: statistics.median(s[k] for s in steps) for k in SECONDS},
                     "pass@1": {e: _scores(out, task, arm, seed, e, marks) for e in config.eval_engines},
                 }
             if runs:
@@ -405,7 +403,7 @@ def report(config: VsTrlConfig, results: dict[str, Any], header: list[str]) -> s
                       " samples), mean ± 95% interval over seeds:", ""]
             rows = []
             for arm, runs in arms.items():
-                scored = [r["pass@1"][engine] for r in runs.values() if r["pass@1"][engine] is not None]
+                scored = _scored(runs, engine)
                 if scored:
                     rows.append([ARMS[arm][0], len(scored), *(_cell(interval([s[i] for s in scored]))
                                                                  for i in range(len(minutes)))])
@@ -416,8 +414,7 @@ def report(config: VsTrlConfig, results: dict[str, Any], header: list[str]) -> s
                           table(["arm", "seeds", *(f"{m:g} min" for m in minutes)], differences), ""]
         rows = []
         for arm, runs in arms.items():
-            seconds = {k: statistics.fmean(r["seconds"][k] for r in runs.values())
-                       for k in ("step_s", "generation_s", "update_s", "sync_s")}
+            seconds = {k: statistics.fmean(r["seconds"][k] for r in runs.values()) for k in SECONDS}
             steps = [statistics.fmean(r["steps_by_mark"][i] for r in runs.values()) for i in range(len(config.marks))]
             rows.append([ARMS[arm][0], len(runs), statistics.fmean(r["setup_s"] for r in runs.values()),
                          seconds["step_s"], seconds["generation_s"], seconds["update_s"], seconds["sync_s"],
@@ -426,6 +423,11 @@ def report(config: VsTrlConfig, results: dict[str, Any], header: list[str]) -> s
                   table(["arm", "seeds", "start-up s", "s/step", "generation s", "update s", "sync s",
                          "steps done by " + " / ".join(f"{m / 60:g}" for m in config.marks) + " min"], rows), ""]
     return "\n".join(lines)
+
+
+def _scored(runs: dict[int, Any], engine: str) -> list[list[float]]:
+    """The pass@1 series (minute 0, then each mark) of the runs scored in `engine`."""
+    return [r["pass@1"][engine] for r in runs.values() if r["pass@1"][engine] is not None]
 
 
 def _cell(estimate: tuple[float, float]) -> str:
@@ -463,7 +465,7 @@ def plot(config: VsTrlConfig, results: dict[str, Any], folder: Path) -> list[Pat
                                     squeeze=False)
         for axis, engine in zip(axes[0], config.eval_engines):
             for arm, runs in arms.items():
-                scored = [r["pass@1"][engine] for r in runs.values() if r["pass@1"][engine] is not None]
+                scored = _scored(runs, engine)
                 if not scored:
                     continue
                 points = [interval([s[i] for s in scored]) for i in range(len(minutes))]
@@ -505,10 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("trl") is None and "trl" in config.arms and not config.report:
         print("deployrl bench vs-trl: error: the trl arm needs TRL: pip install 'deployrl[bench]'", file=sys.stderr)
         return 2
-    out = Path(config.out)
+    out, overrides = Path(config.out), [*overrides, f"model.name={config.model}"]
     try:  # every run's settings, before anything trains
         for task, arm, _ in config.runs():
-            load_config(None, [*TASKS[task][1], *overrides, *ARMS[arm][2], f"model.name={config.model}"])
+            load_config(None, [*TASKS[task][1], *overrides, *ARMS[arm][2]])
         if not config.report:
             model_dir, is_gguf = hf_model_dir(config.model, Path(config.cache_dir) if config.cache_dir
                                               else default_cache_dir())
@@ -517,7 +519,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"deployrl bench vs-trl: error: {err}", file=sys.stderr)
         return 2
-    overrides = [*overrides, f"model.name={config.model}"]
     hardware, _, versions = environment(0, True)
     header = [hardware, versions, f"- settings: {config.budget_min:g} min per run, adapters kept at "
               + ", ".join(f"{m / 60:g}" for m in config.marks) + f" min; seeds {list(config.seeds)};"
