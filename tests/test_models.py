@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from deployrl.algo.logprobs import SamplingView, processed_logits
-from deployrl.models.loading import load_model, resolve_model, shares_prompts, token_logprobs
+from deployrl.models.loading import (
+    gguf_read_once,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+    shares_prompts,
+    token_logprobs,
+)
 
 
 def naive_logprobs(model, prompts, completions, mask, view):
@@ -34,6 +41,45 @@ def test_local_directory_and_errors(tiny_dir, tmp_path):
         resolve_model("./no/such/model")
     with pytest.raises(ValueError, match="unknown training dtype 'fp64'"):
         load_model(source, dtype="fp64")
+
+
+def test_a_gguf_is_parsed_once_per_load_with_the_same_model(tiny_gguf, tmp_path, monkeypatch):
+    import os
+    import shutil
+
+    import gguf
+
+    parses = []
+
+    class CountedReader(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parses.append(str(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountedReader)
+    name_map = gguf.get_tensor_name_map
+
+    def load():
+        source = resolve_model(str(tiny_gguf))
+        return load_tokenizer(source), load_model(source)
+
+    tokenizer, model = load()
+    assert len(parses) >= 3  # the check, the tokenizer, the config, the weights: each parses the file
+    parses.clear()
+    with gguf_read_once():
+        tokenizer_once, model_once = load()
+        assert parses == [str(tiny_gguf)]
+        copy = tmp_path / "copy.gguf"  # a file replaced on disk is parsed again
+        shutil.copy(tiny_gguf, copy)
+        first = gguf.GGUFReader(copy)
+        assert gguf.GGUFReader(copy) is first
+        shutil.copy(tiny_gguf, tmp_path / "new.gguf")
+        os.replace(tmp_path / "new.gguf", copy)
+        assert gguf.GGUFReader(copy) is not first
+    assert gguf.GGUFReader is CountedReader and gguf.get_tensor_name_map is name_map
+    assert tokenizer_once.get_vocab() == tokenizer.get_vocab()
+    state, state_once = model.state_dict(), model_once.state_dict()
+    assert state.keys() == state_once.keys() and all(torch.equal(state[k], state_once[k]) for k in state)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

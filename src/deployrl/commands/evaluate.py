@@ -90,10 +90,17 @@ def score_in_engine(engine_spec: str, model, engine_source, tokenizer, task, con
 
 
 def main(argv: list[str] | None = None) -> int:
+    from deployrl.models.loading import gguf_read_once
+
+    config, _ = COMMAND_LINE.parse(argv)
+    with gguf_read_once():  # the checks, the model and the engine share one parse of a GGUF
+        return score_and_report(config)
+
+
+def score_and_report(config: EvalCommandConfig) -> int:
     from deployrl.models.loading import load_model, load_tokenizer, resolve_model
     from deployrl.models.lora import ADAPTER_CONFIG, adapter_base, attach_adapter
 
-    config, _ = COMMAND_LINE.parse(argv)
     try:  # the data and the model's files are checked before the model loads
         task = load_task(config.task)
         adapter = Path(config.model) if (Path(config.model) / ADAPTER_CONFIG).is_file() else None

@@ -25,6 +25,7 @@ from deployrl.engines.check import verify_engine
 from deployrl.models.loading import (
     ModelSource,
     end_token_ids,
+    gguf_read_once,
     load_model,
     load_tokenizer,
     resolve_model,
@@ -213,12 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         "Sample with a deployment engine, recompute with the trainer, report the discrepancy.", FLAGS,
     )
     config, _ = command_line.parse(argv)
-    try:
-        checked_source(config)
-    except (ValueError, FileNotFoundError) as err:
-        command_line.fail(err)
-    torch.manual_seed(config.seed)
-    report = run(config)
+    with gguf_read_once():  # the check, the trainer's model and the engine share one parse of a GGUF
+        try:
+            checked_source(config)
+        except (ValueError, FileNotFoundError) as err:
+            command_line.fail(err)
+        torch.manual_seed(config.seed)
+        report = run(config)
     print(format_report(report))
     if config.json:
         Path(config.json).write_text(json.dumps(report, indent=2))

@@ -10,9 +10,12 @@ plain tensors by then, so the marker is cleared here.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import inspect
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -76,6 +79,36 @@ def resolve_model(spec: str) -> ModelSource:
             f" aliases: {', '.join(ALIASES)}"
         )
     return ModelSource(spec)
+
+
+@contextlib.contextmanager
+def gguf_read_once():
+    """Within this block each GGUF file is parsed once, and gguf's tensor name map built once per
+    architecture. transformers parses a GGUF separately for the config, the tokenizer and the
+    weights, and the checks and the llama.cpp engine read it too: five parses of a 49k-token
+    vocabulary, 2-3 s each; it also rebuilds the name map for every module it visits (5 s for a
+    30-layer model). Both are only read from, so one serves every caller; a file changed on disk
+    is parsed again."""
+    import gguf
+
+    parse = gguf.GGUFReader
+    readers = {}
+
+    def reader(path, mode="r"):
+        if mode != "r":
+            return parse(path, mode)
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if key not in readers:
+            readers[key] = parse(path, mode)
+        return readers[key]
+
+    name_map = gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = parse, name_map
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):

@@ -41,7 +41,7 @@ from deployrl.algo.discrepancy import discrepancy_summary
 from deployrl.engines.base import trainer_view
 from deployrl.engines.check import reference_logprobs
 from deployrl.errors import NonFiniteError, StopSignals, TrainingInterrupted
-from deployrl.models.loading import load_model, load_tokenizer, resolve_model
+from deployrl.models.loading import gguf_read_once, load_model, load_tokenizer, resolve_model
 from deployrl.models.lora import add_lora
 from deployrl.settings.config import TrainConfig, held_out_task
 from deployrl.settings.parsing import to_dict
@@ -95,18 +95,19 @@ class Trainer:
         self.run_dir = Path(config.output_dir)
         if self.world.is_main:
             check_writable(self.run_dir)  # before the model loads: an unwritable directory fails in seconds
-        self.source = resolve_model(config.model.name)
-        self.tokenizer = load_tokenizer(self.source, config.model.trust_remote_code)
-        self.model = load_model(
-            self.source, config.model.dtype, config.model.activation_checkpointing, config.model.trust_remote_code
-        ).to(self.world.device)
-        lora = config.model.lora
-        if lora.rank:  # the base stays frozen at the weights the engine deploys; only adapters train
-            add_lora(self.model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, config.model.name,
-                     config.seed)
-        # the engine copies the whole model, before the learner shards it
-        self.rollout = RolloutWorker(config, self.task, self.tokenizer, self.model, self.source, self.world,
-                                     SilentLogger(), self.engine_weights)
+        with gguf_read_once():  # the checks, tokenizer, model and engine share one parse of a GGUF
+            self.source = resolve_model(config.model.name)
+            self.tokenizer = load_tokenizer(self.source, config.model.trust_remote_code)
+            self.model = load_model(
+                self.source, config.model.dtype, config.model.activation_checkpointing, config.model.trust_remote_code
+            ).to(self.world.device)
+            lora = config.model.lora
+            if lora.rank:  # the base stays frozen at the weights the engine deploys; only adapters train
+                add_lora(self.model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, config.model.name,
+                         config.seed)
+            # the engine copies the whole model, before the learner shards it
+            self.rollout = RolloutWorker(config, self.task, self.tokenizer, self.model, self.source, self.world,
+                                         SilentLogger(), self.engine_weights)
         self.learner = Learner(config, self.model, self.world)
         # the command that continues this run, for stop messages (the CLI sets the real one)
         self.resume_command = "deployrl train <your config and overrides> --resume"

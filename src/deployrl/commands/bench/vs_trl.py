@@ -255,15 +255,16 @@ def score(adapters: list[Optional[str]], outs: list[list[str]], base: str, engin
     """`deployrl eval`'s scores of each of `adapters` (None: the base alone) on `base`, in each of
     `engines`, written to `outs[adapter][engine]`; the base model is loaded once for all of them."""
     from deployrl.commands.evaluate import EvalCommandConfig, score_in_engine
-    from deployrl.models.loading import load_model, load_tokenizer, resolve_model
+    from deployrl.models.loading import gguf_read_once, load_model, load_tokenizer, resolve_model
     from deployrl.models.lora import attach_adapter
     from deployrl.settings.parsing import load
     from deployrl.tasks import load_task
 
     config = load(EvalCommandConfig, None, [f"num_prompts={problems}", f"samples={samples}",
                                             f"max_new_tokens={max_new_tokens}", f"seed={seed}", *task_overrides])
-    source = resolve_model(base)
-    tokenizer, base_model, task = load_tokenizer(source), load_model(source).eval(), load_task(config.task)
+    with gguf_read_once():
+        source = resolve_model(base)
+        tokenizer, base_model, task = load_tokenizer(source), load_model(source).eval(), load_task(config.task)
     for adapter, targets in zip(adapters, outs):
         model = base_model if adapter is None else attach_adapter(copy.deepcopy(base_model), Path(adapter))
         for engine, target in zip(engines, targets):
