@@ -183,13 +183,15 @@ def test_training_samples_from_vllm_and_syncs_every_step(tmp_path, tiny_dir_128,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("option", ["bf16", "fp8_per_channel"])
+@pytest.mark.parametrize("option", ["auto", "fp8_per_channel"])
 def test_the_embedded_default_trains_with_vllm(tmp_path, option):
+    """Sizes small enough for an AVX2 CPU, where fp8_per_channel computes in emulated bf16 (docs/engines.md)."""
     from deployrl.settings.config import load_config
     from deployrl.training.trainer import Trainer
 
-    config = load_config(None, [f"rollout.engine=vllm:{option}", "steps=2", "rollout.max_new_tokens=24",
-                                "eval.num_prompts=2", f"output_dir={tmp_path / 'run'}", "tensorboard=false"])
+    config = load_config(None, [f"rollout.engine=vllm:{option}", "steps=2", "rollout.max_new_tokens=16",
+                                "rollout.prompts_per_step=2", "eval.num_prompts=2", f"output_dir={tmp_path / 'run'}",
+                                "tensorboard=false"])
     trainer = Trainer(config)
     history = trainer.run()
     assert len(history) == 4 and "eval/pass@1" in history[-1]
@@ -205,11 +207,35 @@ def test_bench_engines_compares_lora_adapters_served_and_merged(tmp_path):
     from deployrl.commands.bench.engines import main
 
     out = tmp_path / "lora.json"
-    main(["--compare", "vllm:bf16", "--lora-rank", "4", "--prompts", "1", "-k", "2", "--tokens", "4", "--repeats", "1",
+    main(["--compare", "vllm:auto", "--lora-rank", "4", "--prompts", "1", "-k", "2", "--tokens", "4", "--repeats", "1",
           "--parallel", "4", "--json", str(out)])
     result = json.loads(out.read_text())
-    assert result["engines"] == ["vllm:bf16/adapter", "vllm:bf16/merged"]
+    assert result["engines"] == ["vllm:auto/adapter", "vllm:auto/merged"]
     assert all(seconds > 0 for seconds in result["sync_s"].values())
+
+
+def test_auto_is_fp32_on_an_avx2_cpu_and_an_emulated_bf16_warns_once_at_start(model, monkeypatch, caplog):
+    from test_cpu import ZEN3
+
+    from deployrl.cpu import read_cpuinfo
+    from deployrl.engines import vllm_engine
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU auto is bf16 and nothing warns")
+    monkeypatch.setattr(vllm_engine, "this_cpu", lambda: read_cpuinfo(ZEN3))
+    monkeypatch.setattr(vllm_engine, "_warned", set())
+    source = ModelSource("tiny", None)
+    with caplog.at_level("INFO", logger=vllm_engine.__name__):
+        auto = make_engine("vllm:auto", model, source, [EOS], context_length=64, parallel=4)
+        auto.close()
+        bf16 = [make_engine("vllm:bf16", model, source, [EOS], context_length=64, parallel=4) for _ in range(2)]
+        for engine in bf16:
+            engine.close()
+    assert auto.name == "vllm:fp32" and bf16[0].name == "vllm:bf16"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith("vllm:bf16 on AMD EPYC 7B13 (class avx2")
+    assert "vllm:auto (fp32 here)" in warnings[0]
+    assert any("vllm:auto is vllm:fp32" in r.getMessage() for r in caplog.records)
 
 
 def test_unknown_options_and_options_without_kernels_fail_at_start(model):

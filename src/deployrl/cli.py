@@ -16,6 +16,7 @@ COMMANDS = {
                   "variance of the prefix-sampled gradient per cutoff strategy on a random instance"),
     "mismatch": ("deployrl.commands.mismatch",
                  "sample with a deployment engine, recompute with the trainer, report the discrepancy"),
+    "engines": ("deployrl.commands.engines", "what each engine will do on this machine, measured per CPU class"),
     "bench": ("deployrl.commands.bench", "benchmarks: update-phase speed/memory, gradient variance, whole steps, engines"),
 }
 

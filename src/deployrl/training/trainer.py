@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from deployrl.algo.discrepancy import discrepancy_summary
+from deployrl.cpu import this_cpu
 from deployrl.engines.base import trainer_view
 from deployrl.engines.check import reference_logprobs
 from deployrl.errors import NonFiniteError, StopSignals, TrainingInterrupted
@@ -134,6 +135,11 @@ class Trainer:
         if resume:  # drop what the lost steps logged (all of it when there was no checkpoint)
             self.logger.truncate_after(self.state.step if self.resumed_from is not None else -1)
             self.logger.log_event(self.state.step, "resumed", checkpoint=self.resumed_from)
+        cpu = this_cpu()  # an engine's speed depends on the CPU's class (docs/engines.md): said with every run
+        engine = self.rollout.engine.name if self.rollout.engine else config.rollout.engine  # concrete once built
+        log.info("machine: %s; trainer on %s; engine %s", cpu.describe(), self.world.device, engine)
+        self.logger.log_event(self.state.step, "started", cpu=cpu.describe(), cpu_class=cpu.cls.value,
+                              device=str(self.world.device), engine=engine)
 
     def _resume_checkpoint(self) -> Optional[Path]:
         """The newest checkpoint whose sha256s all match (a corrupt newest one is skipped for the

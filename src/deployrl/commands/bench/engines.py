@@ -32,6 +32,7 @@ import torch
 
 from deployrl.algo._checks import check_non_negative, check_positive
 from deployrl.commands.bench.measure import timed
+from deployrl.cpu import this_cpu
 from deployrl.engines import (
     ENGINES,
     LoraServing,
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = engine.runtime.threads
     print(f"{config.engine} on SmolLM2-135M-Instruct, {len(prompts)} prompts of the default task, {threads} threads,"
           f" {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; medians of {config.repeats} alternating runs")
+    print(f"machine: {this_cpu().describe()}")
     header = (f"{'new tokens':>10} {'K':>3} {'tokens':>7} {'sequential tok/s':>17} {'batched tok/s':>14}"
               f" {'ratio':>6} {'identical':>10} {'max |dlogp| before':>19}")
     print(header)
@@ -224,6 +226,7 @@ def compare_engines(config: EnginesBenchConfig, model, source, eos: list[int], p
           f" prompts of the default task, threads {config.threads or 'all'}, parallel {config.parallel},"
           f" {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; medians of {config.repeats} runs,"
           " the engines taking turns")
+    print(f"machine: {this_cpu().describe()}")
     print("engine start (s): " + ", ".join(f"{label} {seconds:.1f}" for label, seconds in load_s.items()))
     if sync_s:
         print("weight sync (s, median of 3): " + ", ".join(f"{label} {seconds:.3f}" for label, seconds in sync_s.items()))
@@ -240,7 +243,8 @@ def compare_engines(config: EnginesBenchConfig, model, source, eos: list[int], p
         print(f"{max_new:>10} {k:>3} " + " ".join(f"{rates[label]:>22.1f}" for label in labels) + " "
               + " ".join(f"{rates[label] / rates[first]:>29.2f}x" for label in labels[1:]), flush=True)
     if config.json:
-        Path(config.json).write_text(json.dumps({"engines": labels, "start_s": load_s, "sync_s": sync_s,
+        Path(config.json).write_text(json.dumps({"cpu": this_cpu().describe(), "cpu_class": this_cpu().cls.value,
+                                                 "engines": labels, "start_s": load_s, "sync_s": sync_s,
                                                  "lora_rank": config.lora_rank, "threads": config.threads,
                                                  "parallel": config.parallel, "prompts": len(prompts), "rows": rows},
                                                 indent=2))

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import psutil
@@ -73,17 +71,6 @@ def synchronize(device: torch.device) -> None:
 def device_name(device: torch.device) -> str:
     """`device` for benchmark headers, with the card's name on CUDA (the header names the processor)."""
     return f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
-
-
-def cpu_name() -> str:
-    """The processor's model name (from /proc/cpuinfo on Linux), for benchmark headers."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def median(values: Sequence[float]) -> float:

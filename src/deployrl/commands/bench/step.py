@@ -48,7 +48,8 @@ import psutil
 import torch
 
 from deployrl.algo._checks import check_positive
-from deployrl.commands.bench.measure import PeakMemory, cpu_name, in_fresh_process, median, synchronize, table
+from deployrl.commands.bench.measure import PeakMemory, in_fresh_process, median, synchronize, table
+from deployrl.cpu import this_cpu
 from deployrl.registry import unknown_name_error
 from deployrl.settings.command_line import CommandLine, Flag
 from deployrl.settings.docs import setting
@@ -306,7 +307,7 @@ def hf_model_dir(spec: str, cache_dir: Path) -> tuple[str, bool]:
 
 def environment(threads: int, with_trl: bool) -> list[str]:
     """Header lines: hardware, threads, load, versions."""
-    cpu = cpu_name()
+    cpu = this_cpu().describe()
     packages = ["torch", "transformers", "llama-cpp-python", "deployrl"] + (["trl", "accelerate"] if with_trl else [])
     versions = []
     for package in packages:

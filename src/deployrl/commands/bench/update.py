@@ -53,13 +53,13 @@ import torch
 from deployrl.algo._checks import check_non_negative, check_positive
 from deployrl.commands.bench.measure import (
     PeakMemory,
-    cpu_name,
     device_name,
     in_fresh_process,
     median,
     synchronize,
     table,
 )
+from deployrl.cpu import this_cpu
 from deployrl.registry import unknown_name_error
 from deployrl.settings.command_line import CommandLine, Flag
 from deployrl.settings.config import TrainConfig
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         model = call("prepare_model", {"spec": config.model, "layers": config.layers, "directory": model_dir})
         device = Device.get("device", config.device).resolve()
         print(
-            f"hardware: {cpu_name()}, {config.threads or torch.get_num_threads()} torch threads, torch {torch.__version__},"
+            f"hardware: {this_cpu().describe()}, {config.threads or torch.get_num_threads()} torch threads, torch {torch.__version__},"
             f" trainer on {device_name(device)}"
         )
         print(
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.json is not None:
         Path(config.json).write_text(json.dumps({
             "settings": asdict(settings), "model": {**model, "spec": config.model}, "methods": config.methods,
-            "t_max": config.t_max, "repeats": config.repeats, "torch": torch.__version__, "cpu": cpu_name(),
+            "t_max": config.t_max, "repeats": config.repeats, "torch": torch.__version__, "cpu": this_cpu().describe(),
             "measurements": results,
         }, indent=2))
     return 0

@@ -46,7 +46,8 @@ from deployrl.algo._checks import check_positive
 from deployrl.algo.logprobs import SamplingView, processed_logits
 from deployrl.algo.losses import batch_denominator
 from deployrl.algo.prefix import STRATEGIES, cutoff_law, engine_proxies, law_weights, sample_plan
-from deployrl.commands.bench.measure import cpu_name, table
+from deployrl.commands.bench.measure import table
+from deployrl.cpu import this_cpu
 from deployrl.registry import unknown_name_error
 from deployrl.settings.command_line import CommandLine, Flag
 from deployrl.settings.docs import setting
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{config.model.name} sampled by {config.rollout.engine}, task {task_name}:"
         f" {numbers['groups']} groups x {config.rollout.group_size} completions, {numbers['tokens']} tokens"
         f" (mean length {numbers['mean_length']:.0f}, max {numbers['max_length']}), mean reward"
-        f" {numbers['reward_mean']:.2f}; {bench.draws} draws per cell; {cpu_name()},"
+        f" {numbers['reward_mean']:.2f}; {bench.draws} draws per cell; {this_cpu().describe()},"
         f" torch {torch.__version__}\n"
     )
     print(report(numbers, bench.budgets))
