@@ -7,11 +7,17 @@ resumes from its last checkpoint, so the script can be stopped and started again
     python experiments/run.py mismatch                       # every arm in order, then the report
     python experiments/run.py mismatch --arms q4_none q4_dc  # some arms
     python experiments/run.py ps_accuracy --report           # the report of the finished arms
+    python experiments/run.py mismatch --arms lora_q4_none lora_q4_dc --seeds 0 1 2 --baseline lora_q4_none \
+        eval.num_prompts=128 eval.samples=4                  # each arm once per seed, means and intervals
 
 The report goes to `<out>/report.md` and `<out>/plots/*.png` (out: `runs/<name>`): per arm the
 training reward over the first and last quarter of the steps, the deployment-engine eval
 before / after training and at equal wall time (the fastest arm's total), mean discrepancy,
 tolerance c, lambda, fraction of tokens over c, seconds per step and tokens backpropagated.
+With `--seeds`, each arm runs once per seed (`<out>/<arm>/seed<N>`, the seed set last so it wins
+over an arm's own) and the report (`<out>/report_seeds.md`, `plots/seeds.png`) gives per arm the
+mean and 95% t-interval over seeds of the eval before and after training, and with `--baseline`
+the paired difference to that arm, seed by seed, with its interval.
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import yaml
+
+from deployrl.commands.bench.vs_trl import interval
 
 HERE = Path(__file__).resolve().parent
 PANELS = {
@@ -58,21 +67,23 @@ def finished(run_dir: Path, steps: int) -> bool:
     return any(r["step"] == steps and "eval/pass@1" in r for r in read_metrics(run_dir))
 
 
-def run_arm(spec: dict, name: str, out: Path, steps: int, extra: list[str]) -> None:
-    run_dir = out / name
+def run_arm(spec: dict, name: str, out: Path, steps: int, extra: list[str], seed: Optional[int] = None) -> None:
+    run_dir = out / name if seed is None else out / name / f"seed{seed}"
+    label = name if seed is None else f"{name}, seed {seed}"
     if finished(run_dir, steps):
-        print(f"[{name}] already finished, skipped", flush=True)
+        print(f"[{label}] already finished, skipped", flush=True)
         return
     arm = spec["arms"][name]
+    extra = extra if seed is None else [*extra, f"seed={seed}"]
     resume = ["--resume"] if (run_dir / "checkpoints").exists() else []
     command = [
         sys.executable, "-m", "deployrl", "train", str(spec["base"]), *arm["overrides"],
         f"steps={steps}", f"output_dir={run_dir}", *extra, *resume,
     ]
-    print(f"[{name}] {arm['about']}\n  deployrl " + " ".join(command[3:]), flush=True)
+    print(f"[{label}] {arm['about']}\n  deployrl " + " ".join(command[3:]), flush=True)
     start = time.perf_counter()
     subprocess.run(command, check=True)
-    print(f"[{name}] {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+    print(f"[{label}] {(time.perf_counter() - start) / 60:.1f} min", flush=True)
 
 
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -156,6 +167,68 @@ def report(spec: dict, out: Path, steps: int) -> str:
     return table
 
 
+def seeded_report(spec: dict, out: Path, steps: int, seeds: list[int], baseline: Optional[str]) -> str:
+    """Per arm, over the seeds finished: eval before / after (mean ± 95% interval), the paired
+    difference to `baseline` at the end, mean δ first → last, c and λ at the end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {name: {seed: read_metrics(out / name / f"seed{seed}") for seed in seeds
+                   if finished(out / name / f"seed{seed}", steps)} for name in spec["arms"]}
+    runs = {name: by_seed for name, by_seed in runs.items() if by_seed}
+    if not runs:
+        raise SystemExit(f"no finished seeded arm in {out}")
+
+    def evals(rows: list[dict]) -> dict[int, float]:
+        return dict(zip(*series(rows, "eval/pass@1")))
+
+    def cell(values: list[float]) -> str:
+        if len(values) < 2:
+            return f"{values[0]:.3f} (one seed)" if values else "–"
+        mean, half = interval(values)
+        return f"{mean:.3f} ± {half:.3f}"
+
+    headers = ["arm", "what", "seeds", "eval before", f"eval after {steps} steps",
+               f"after − {baseline}" if baseline else "after − before", "mean δ first → last", "c", "λ end"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    ends = {}
+    for name, by_seed in runs.items():
+        before = [evals(rows)[0] for rows in by_seed.values() if 0 in evals(rows)]
+        ends[name] = {seed: evals(rows)[steps] for seed, rows in by_seed.items()}
+        if baseline:
+            reference = runs.get(baseline, {})
+            paired = [ends[name][seed] - evals(reference[seed])[steps] for seed in by_seed if seed in reference]
+        else:
+            paired = [evals(rows)[steps] - evals(rows)[0] for rows in by_seed.values() if 0 in evals(rows)]
+        delta = [series(rows, "dc/mean_D")[1] for rows in by_seed.values()]
+        lines.append("| " + " | ".join([
+            name, spec["arms"][name]["about"], ", ".join(map(str, by_seed)), cell(before), cell(list(ends[name].values())),
+            "–" if name == baseline else cell(paired),
+            f"{mean_of([d[0] for d in delta]):.4f} → {mean_of([d[-1] for d in delta]):.4f}",
+            f"{mean_of([series(rows, 'dc/tolerance')[1][0] for rows in by_seed.values()]):.4f}",
+            f"{mean_of([series(rows, 'dc/lambda')[1][-1] for rows in by_seed.values()]):.2f}",
+        ]) + " |")
+    table = "\n".join(lines)
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(1.2 * len(ends) + 2, 3.5))
+    for x, (name, by_seed) in enumerate(ends.items()):
+        values = list(by_seed.values())
+        ax.scatter([x] * len(values), values, s=12, color="grey")
+        if len(values) > 1:
+            mean, half = interval(values)
+            ax.errorbar([x], [mean], yerr=[half], fmt="o", color="black", capsize=4)
+    ax.set_xticks(range(len(ends)), list(ends), rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(f"eval pass@1 after {steps} steps")
+    ax.set_title("each seed (grey), mean and 95% interval (black)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "plots" / "seeds.png", dpi=110)
+    plt.close(fig)
+    (out / "report_seeds.md").write_text(table + "\n")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     experiments = sorted(p.parent.name for p in HERE.glob("*/arms.yaml"))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -164,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="training steps per arm (default: the experiment's)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: runs/<experiment>)")
     parser.add_argument("--report", action="store_true", help="only write the report of the finished arms")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, metavar="N",
+                        help="run each arm once per seed (the report gives means and 95%% intervals)")
+    parser.add_argument("--baseline", default=None, metavar="ARM",
+                        help="with --seeds: report each arm's paired difference to this arm")
     parser.add_argument("overrides", nargs="*", default=[], help="extra key=value overrides for every arm")
     args = parser.parse_args(argv)
     spec = load_experiment(args.experiment)
@@ -171,12 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("runs") / Path(args.experiment).name
     arms = args.arms if args.arms is not None else list(spec["arms"])
     unknown = [a for a in arms if a not in spec["arms"]]
-    if unknown:
-        parser.error(f"unknown arm(s) {unknown}; {args.experiment} has: {', '.join(spec['arms'])}")
+    if unknown or args.baseline not in (None, *spec["arms"]):
+        parser.error(f"unknown arm(s) {unknown or [args.baseline]}; {args.experiment} has: {', '.join(spec['arms'])}")
+    if args.baseline and not args.seeds:
+        parser.error("--baseline compares seeds: give --seeds too")
     if not args.report:
-        for name in arms:
-            run_arm(spec, name, out, steps, args.overrides)
-    print(report(spec, out, steps))
+        for seed in args.seeds or [None]:
+            for name in arms:
+                run_arm(spec, name, out, steps, args.overrides, seed)
+    print(seeded_report(spec, out, steps, args.seeds, args.baseline) if args.seeds else report(spec, out, steps))
     return 0
 
 

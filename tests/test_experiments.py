@@ -58,3 +58,13 @@ def test_runner_trains_each_arm_once_and_reports(tmp_path, tiny_dir, capsys, mon
     assert runner.finished(out / "full", 2) and runner.finished(out / "ps", 2)
     runner.main([str(folder), "--out", str(out)])
     assert capsys.readouterr().out.count("already finished, skipped") == 2
+    assert runner.main([str(folder), "--out", str(out), "--seeds", "0", "1", "--baseline", "full"]) == 0
+    printed = capsys.readouterr().out
+    assert (out / "full" / "seed1" / "metrics.jsonl").exists() and (out / "plots" / "seeds.png").exists()
+    ps_row = next(line for line in printed.splitlines() if line.startswith("| ps |"))
+    cells = [cell.strip() for cell in ps_row.strip("|").split("|")]
+    assert cells[2] == "0, 1" and " ± " in cells[4]  # the mean and 95% interval over the two seeds
+    ends = {arm: [dict(zip(*runner.series(runner.read_metrics(out / arm / f"seed{seed}"), "eval/pass@1")))[2]
+                  for seed in (0, 1)] for arm in ("full", "ps")}
+    paired = [a - b for a, b in zip(ends["ps"], ends["full"])]
+    assert cells[5].startswith(f"{sum(paired) / 2:.3f} ± ")  # the paired difference, seed by seed
