@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", default=None, metavar="ARM",
                         help="with --seeds: report each arm's paired difference to this arm")
     parser.add_argument("overrides", nargs="*", default=[], help="extra key=value overrides for every arm")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     spec = load_experiment(args.experiment)
     steps = args.steps or spec["steps"]
     out = args.out or Path("runs") / Path(args.experiment).name

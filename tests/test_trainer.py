@@ -169,6 +169,12 @@ def test_run_directory_and_checkpoint(device, tmp_path, tiny_dir):
     assert (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file() and (run / "samples.jsonl").is_file()
     assert len(list((run / "checkpoints").iterdir())) == 1
     assert any((run / "plots").glob("*.png"))
+    from deployrl.cpu import this_cpu
+    from deployrl.training.runlog import read_jsonl
+
+    started = [e for e in read_jsonl(run / "events.jsonl") if e["event"] == "started"]
+    assert started == [{"step": 0, "event": "started", "cpu": this_cpu().describe(), "cpu_class": this_cpu().cls.value,
+                        "device": str(trainer.world.device), "engine": trainer.config.rollout.engine}]
     written = trainer.export(tmp_path / "export")
     from transformers import AutoModelForCausalLM
 

