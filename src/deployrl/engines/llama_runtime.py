@@ -28,14 +28,14 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from deployrl.cpu import AMX_FLAGS, this_cpu
+from deployrl.cpu import CpuClass, cpu_class, this_cpu
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 
 
 def extra_buffers_allowed(flags: Iterable[str]) -> bool:
     """Whether llama.cpp may use its extra buffer types on a CPU with these flags: not with AMX."""
-    return not any(flag in AMX_FLAGS for flag in flags)
+    return cpu_class(flags) is not CpuClass.AMX
 
 
 def default_threads() -> int:
