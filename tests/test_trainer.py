@@ -54,6 +54,9 @@ VARIANTS = {
     "seq_mask_trainer": ["algo.ps.proxies=trainer", "algo.correction=seq_mask", "algo.correction_cap=3"],
     "prefix_geo_mask_epochs": ["algo.ps.proxies=engine", "algo.correction=geo_mask", "algo.correction_cap=1.5",
                                "algo.ppo_epochs=2"],
+    # the trainer computes on the engine's (bf16) weights, straight-through: prefix passes, DC, the KL reference
+    "matched_prefix_dc_kl": ["model.match_engine=true", "algo.ps.proxies=engine", "algo.ps.strategy=optimized",
+                             "algo.correction=dc", "algo.kl_coef=0.1"],
 }
 
 
@@ -112,7 +115,7 @@ def collect(trainer):
     return rollouts, trainer_view(rollouts.batch.semantics, trainer.config.rollout.sampling(seed=0))
 
 
-@pytest.mark.parametrize("variant", ["dc_optimized", "rloo_mask_kl"])
+@pytest.mark.parametrize("variant", ["dc_optimized", "rloo_mask_kl", "matched_prefix_dc_kl"])
 def test_update_gradient_does_not_depend_on_micro_batch_packing(variant, device, tmp_path, tiny_dir):
     """The gradient of one optimizer update is the same whether its rows go through the model in
     one call or packed into micro-batches of a few tokens (each group's prompt fed once per call)."""

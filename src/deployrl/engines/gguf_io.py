@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from deployrl.models.lora import Adapter
+from deployrl.models.matching import ADAPTER, EMBEDDING
 from deployrl.registry import unknown_name_error
 
 FILE_TYPES = {  # name -> (tensor type, general.file_type)
@@ -125,6 +126,34 @@ def _finish(writer, tmp: Path, out: Path) -> Path:
     return out
 
 
+def stored_type(name: str, ndim: int, file_type: str, template_type):
+    """The GGML type a GGUF of `file_type` stores tensor `name` (GGUF name, `ndim` dimensions) in:
+    1-D tensors f32; the token embedding its template's type when the request is quantised (as
+    llama.cpp's quantiser treats it); everything else the requested type."""
+    import gguf
+
+    if ndim == 1:
+        return gguf.GGMLQuantizationType.F32
+    if name == "token_embd.weight" and file_type not in FLOAT_TYPES:
+        return template_type
+    return gguf.GGMLQuantizationType[FILE_TYPES[file_type][0]]
+
+
+def stored_formats(roles: dict[str, str], shapes: dict[str, int], template: Path, file_type: str) -> dict[str, str]:
+    """The format (models.formats) each parameter takes in a GGUF of `file_type` written from the
+    model, by role (models.matching.parameter_roles) and number of dimensions; adapters are
+    written in f32 (`write_gguf_adapter`)."""
+    import gguf
+
+    embedding = next(t.tensor_type for t in gguf.GGUFReader(template).tensors if t.name == "token_embd.weight")
+    formats = {}
+    for name, role in roles.items():
+        gguf_name = "token_embd.weight" if role == EMBEDDING else name
+        qtype = stored_type(gguf_name, shapes[name], file_type, embedding)
+        formats[name] = "f32" if role == ADAPTER else qtype.name.lower()
+    return formats
+
+
 def write_gguf(
     state_dict: dict[str, torch.Tensor], config, template: Path | GGUFTemplate, out: Path, file_type: str,
     held: Optional[dict[str, torch.Tensor]] = None,
@@ -137,7 +166,6 @@ def write_gguf(
 
     if file_type not in FILE_TYPES:
         raise unknown_name_error("GGUF file type", file_type, list(FILE_TYPES))
-    tensor_type = gguf.GGMLQuantizationType[FILE_TYPES[file_type][0]]
     if not isinstance(template, GGUFTemplate):
         template = GGUFTemplate.read(template)
     arch = template.arch
@@ -170,12 +198,7 @@ def write_gguf(
             raise ValueError(f"{template.path}: tensor {name} has no counterpart in the model's weights")
         hf_name, value = by_gguf_name[name]
         data = value.detach().to(torch.float32).cpu().numpy()
-        if data.ndim == 1:
-            qtype = gguf.GGMLQuantizationType.F32
-        elif name == "token_embd.weight" and file_type not in FLOAT_TYPES:
-            qtype = template_type
-        else:
-            qtype = tensor_type
+        qtype = stored_type(name, data.ndim, file_type, template_type)
         encoded = gguf.quants.quantize(data, qtype)  # blocks run along rows: permuting rows commutes
         if held is not None:
             held[hf_name] = torch.from_numpy(gguf.quants.dequantize(encoded, qtype).reshape(data.shape))

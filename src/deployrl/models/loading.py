@@ -399,19 +399,25 @@ class Scorer(torch.nn.Module):
 
     With `autocast` (a dtype, e.g. bf16) the decoder runs under `torch.autocast`; `reduce` (the
     output head and its log-softmax) runs outside it, in the head's own dtype, so that the
-    log-probabilities the losses and δ compare are not rounded to bf16.
+    log-probabilities the losses and δ compare are not rounded to bf16. With `engine_weights`
+    (`model.match_engine`) the call computes on the weights as the engine holds them
+    (models/matching.py), straight-through.
     """
 
-    def __init__(self, model, autocast: Optional[torch.dtype] = None) -> None:
+    def __init__(self, model, autocast: Optional[torch.dtype] = None, engine_weights=None) -> None:
         super().__init__()
-        self.model, self.autocast = model, autocast
+        self.model, self.autocast, self.engine_weights = model, autocast, engine_weights
 
     def forward(self, prompt_ids: list[list[int]], completion_ids: torch.Tensor, mask: torch.Tensor, reduce):
         device = next(self.model.parameters()).device
-        with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
-            hidden = completion_hidden(self.model, prompt_ids, completion_ids, mask)
-        head = output_head(self.model)
-        return reduce(hidden.to(head.dtype), head)
+
+        def compute(model):
+            with torch.autocast(device.type, dtype=self.autocast, enabled=self.autocast is not None):
+                hidden = completion_hidden(model, prompt_ids, completion_ids, mask)
+            head = output_head(model)
+            return reduce(hidden.to(head.dtype), head)
+
+        return self.engine_weights.call(self.model, compute) if self.engine_weights else compute(self.model)
 
 
 def token_logprobs(

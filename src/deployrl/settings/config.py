@@ -138,6 +138,8 @@ class ModelConfig:
     activation_checkpointing: bool = setting(False, "recompute decoder activations in the backward")
     trust_remote_code: bool = setting(False, "run code from the model repository; never on by default")
     chunk_tokens: int = setting(1024, "tokens per output-head chunk; no [batch, seq, vocab] tensor")
+    match_engine: bool = setting(False, "compute the trainer's forward on the weights as rollout.engine holds them"
+                                        " (its file type or quantisation), straight-through (docs/engines.md)")
     lora: LoraConfig = setting(help="LoRA adapters (docs/training.md, LoRA adapters)", factory=LoraConfig)
 
     def __post_init__(self) -> None:

@@ -227,6 +227,7 @@ class Learner:
             torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.config.optim.grad_clip, total_norm)
         tally.grad_norms.append(norm)
         self.optimizer.step()
+        self.passes.weights_changed()
         tally.optimizer_s += time.perf_counter() - started
 
 

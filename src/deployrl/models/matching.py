@@ -1,0 +1,96 @@
+"""The trainer's forward on the weights its engine holds (`model.match_engine`).
+
+`EngineWeights` knows, per parameter of the trainer's model, the formats the engine rounds it
+through (`deployrl.models.formats`; the engine registry says which: `engines.held_formats`).
+`EngineWeights.call(model, fn)` runs `fn(model)` with every such parameter replaced by its
+rounded value, straight-through: the forward computes with the engine's weights and the gradient
+reaches the trainer's own (`torch.func.functional_call`, so names, state dicts and the optimizer
+see the model unchanged). A rounding is computed once per version of a parameter (after each
+optimizer step: the learner calls `forget`), not once per micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+from torch import nn
+
+from deployrl.models.formats import held, straight_through
+from deployrl.models.lora import is_adapter_name
+
+T = TypeVar("T")
+
+
+class _Calls(nn.Module):
+    """`fn(model)` as a module call, so that functional_call can swap the model's parameters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable[[nn.Module], T]) -> T:
+        return fn(self.model)
+
+
+class EngineWeights:
+    """{parameter name: formats} of one model and engine; the rounded values, cached per version."""
+
+    def __init__(self, formats: dict[str, tuple[str, ...]]) -> None:
+        # f32 holds fp32 (and narrower) weights exactly: nothing to round
+        self.formats = {name: tuple(f) for name, f in formats.items() if tuple(f) not in ((), ("f32",))}
+        self._rounded: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.formats)
+
+    def forget(self) -> None:
+        """Drop the cached roundings: the weights changed in a way their version counters do not show
+        (a fused optimizer step)."""
+        self._rounded.clear()
+
+    def rounded(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """held(weight) in the weight's dtype, no gradient; recomputed when the weight changed (a new
+        version or storage) or after `forget`."""
+        key = (weight._version, weight.data_ptr())
+        cached = self._rounded.get(name)
+        if cached is None or cached[0] != key:
+            cached = (key, held(weight, self.formats[name]).to(weight.dtype))
+            self._rounded[name] = cached
+        return cached[1]
+
+    def matched(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every rounded parameter of `model` as the engine holds it, with the gradient of its own."""
+        return {name: straight_through(weight, self.rounded(name, weight)) if weight.requires_grad
+                else self.rounded(name, weight)
+                for name, weight in model.named_parameters() if name in self.formats}
+
+    def call(self, model: nn.Module, fn: Callable[[nn.Module], T]) -> T:
+        """fn(model), computed on the weights as the engine holds them."""
+        weights = {f"model.{name}": value for name, value in self.matched(model).items()}
+        return torch.func.functional_call(_Calls(model), weights, (fn,), strict=False, tie_weights=True)
+
+
+EMBEDDING, HEAD, LINEAR, ADAPTER, OTHER = "embedding", "head", "linear", "adapter", "other"
+
+
+def parameter_roles(model: nn.Module) -> dict[str, str]:
+    """What each parameter of `model` (peft names included) is to an engine: the input `embedding`
+    (with a tied head), an untied output `head`, a `linear` weight of the decoder, a LoRA `adapter`
+    tensor, or `other` (norms, biases)."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    roles = {}
+    for name, weight in model.named_parameters():
+        if is_adapter_name(name):
+            roles[name] = ADAPTER
+        elif weight is embedding:
+            roles[name] = EMBEDDING
+        elif weight is head:
+            roles[name] = HEAD
+        elif id(weight) in linear_weights and weight.dim() == 2:
+            roles[name] = LINEAR
+        else:
+            roles[name] = OTHER
+    return roles
