@@ -9,7 +9,7 @@ import torch
 from deployrl.engines import engine_weights
 from deployrl.models.formats import fp8_per_channel, held
 from deployrl.models.loading import ModelSource, Scorer, resolve_model, token_logprobs
-from deployrl.models.matching import EMBEDDING, LINEAR, EngineWeights, parameter_roles
+from deployrl.models.matching import EMBEDDING, LINEAR, EngineWeights, merged_adapters, parameter_roles
 
 GGUF_FORMATS = ["q8_0", "q4_0", "q4_1", "f16", "bf16"]
 
@@ -108,8 +108,9 @@ def test_lora_roles_and_what_each_engine_holds(tiny_dir):
     vllm = engine_weights("vllm:fp8_per_channel", model, source).formats
     assert {vllm[name] for name, role in roles.items() if role == LINEAR} == {("bf16", "fp8_per_channel")}
     assert {vllm[name] for name, role in roles.items() if role != LINEAR} == {("bf16",)}
-    with pytest.raises(ValueError, match="lora_serving=merged"):
-        engine_weights("vllm:fp8_per_channel", model, source, lora_serving="merged")
+    merged = engine_weights("vllm:fp8_per_channel", model, source, lora_serving="merged")
+    assert set(merged.merged) == {name for name in roles if name.endswith("q_proj.base_layer.weight")}
+    assert all("lora_" not in name for name in merged.formats)  # rounded with their base, not alone
     assert not engine_weights("hf:fp32", model, source)
 
 
@@ -120,7 +121,7 @@ def test_the_matched_trainer_holds_the_files_weights_and_computes_the_engines_lo
     log-probabilities is the kernels' own (activation rounding), not the weights' rounding."""
     from tiny import tiny_model
 
-    from deployrl.engines.check import GAP_BOUNDS, check_ids, reference_logprobs
+    from deployrl.engines.check import MATCHED_GAP_BOUNDS, check_ids, reference_logprobs
     from deployrl.engines.llamacpp import LlamaCppEngine
     from deployrl.models.loading import load_tokenizer
 
@@ -140,7 +141,7 @@ def test_the_matched_trainer_holds_the_files_weights_and_computes_the_engines_lo
     scored = engine.score(ids)
     naive = float((scored - reference_logprobs(model, ids)).abs().mean())
     gap = float((scored - reference_logprobs(Scorer(model, None, weights), ids)).abs().mean())
-    assert gap < GAP_BOUNDS[engine.name] / 10, (gap, naive)
+    assert gap < MATCHED_GAP_BOUNDS[engine.name] / 10, (gap, naive)
     # q4_1's coarse grid is most of the unmatched gap; q8_0's fine one a smaller share beside the kernels'
     assert gap < naive / (2 if file_type == "q4_1" else 1), (gap, naive)
     engine.close()
@@ -171,3 +172,64 @@ def test_a_matched_run_measures_the_kernels_gap_not_the_rounding_of_the_weights(
         history = trainer.run()
         mean_d[match] = history[0]["dc/mean_D"]
     assert mean_d[True] < mean_d[False] / 2, mean_d
+
+
+def test_merged_adapters_compute_the_rounded_merged_weight_with_the_adapters_chain_rule_gradient(gen):
+    """vLLM with rollout.lora_serving=merged rounds W + s B A. Reference: a plain copy holding the
+    rounded merged weights W' (no adapters); its gradient G for W' gives the adapters' gradients
+    by the chain rule of W + s B A: dA = s B^T G, dB = s G A^T."""
+    from tiny import tiny_model
+
+    from deployrl.models.lora import add_lora
+
+    base = tiny_model("llama", hidden_size=64, init_std=0.05)
+    model = add_lora(copy.deepcopy(base), 4, 8, 0.0, ["q_proj", "down_proj"], "tiny", 0)
+    with torch.no_grad():  # B = 0 at the start; a trained adapter moves the weights
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=gen)
+    formats = ("bf16", "fp8_per_channel")
+    roles = parameter_roles(model)
+    weights = EngineWeights({name: formats for name, role in roles.items() if role == LINEAR}, merged_adapters(model))
+    params = dict(model.named_parameters())
+    reference, effective = copy.deepcopy(base), {}
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if p.dim() == 2 and name != "model.embed_tokens.weight":
+                module = name.removesuffix(".weight")
+                adapted = f"{module}.base_layer.weight" in weights.merged
+                w = params[f"{module}.base_layer.weight" if adapted else name].float()
+                if adapted:
+                    a_name, b_name, scale = weights.merged[f"{module}.base_layer.weight"]
+                    w = w + scale * (params[b_name].float() @ params[a_name].float())
+                    effective[module] = p
+                p.copy_(held(w, formats))
+    prompts, completion, mask = prompts_and_completions(base.config.vocab_size, gen)
+    matched = token_logprobs(Scorer(model, None, weights), prompts, completion, mask).logp
+    expected = token_logprobs(reference, prompts, completion, mask).logp
+    torch.testing.assert_close(matched, expected, rtol=0, atol=1e-5)
+    matched[mask].sum().backward()
+    expected[mask].sum().backward()
+    for module, weight in effective.items():
+        a_name, b_name, scale = weights.merged[f"{module}.base_layer.weight"]
+        a, b, grad = params[a_name], params[b_name], weight.grad
+        torch.testing.assert_close(a.grad, scale * b.detach().T @ grad, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(b.grad, scale * grad @ a.detach().T, rtol=1e-4, atol=1e-7)
+
+
+def test_a_matched_trainer_is_held_to_the_tighter_bound():
+    """A gap the rounding of drifting weights explains passes the unmatched check; a trainer that
+    computes on the engine's weights has no such excuse."""
+    from deployrl.engines.check import GAP_BOUNDS, MATCHED_GAP_BOUNDS, KernelMismatch, check_engine
+
+    class Engine:  # an engine whose log-probabilities sit a fixed gap from the trainer's
+        name = "llamacpp:q4_1"
+
+        def score(self, ids):
+            return torch.full((len(ids) - 1,), -2.0 - gap)
+
+    gap = (GAP_BOUNDS["llamacpp:q4_1"] + MATCHED_GAP_BOUNDS["llamacpp:q4_1"]) / 2
+    reference, ids = torch.full((9,), -2.0), list(range(10))
+    assert check_engine(Engine(), reference, ids) == pytest.approx(gap)
+    with pytest.raises(KernelMismatch):
+        check_engine(Engine(), reference, ids, matched=True)

@@ -172,7 +172,7 @@ def matched_report(config: MismatchConfig, model, source: ModelSource, tokenizer
         logp = token_logprobs(scorer, batch.prompt_ids, batch.completion_ids, batch.mask,
                               trainer_view(batch.semantics, params), config.chunk_tokens).logp
         ids = check_ids(tokenizer, output_head(model).shape[0])
-        gap = check_engine(engine, reference_logprobs(scorer, ids), ids)
+        gap = check_engine(engine, reference_logprobs(scorer, ids), ids, matched=True)
     return {"kernel_check_gap": gap, **discrepancy_report(logp, batch, config.threshold)}
 
 

@@ -28,7 +28,8 @@ from deployrl.engines.vllm_engine import (
     resolved_option,
 )
 from deployrl.models.loading import ModelSource, unwrapped
-from deployrl.models.matching import ADAPTER, LINEAR, EngineWeights, parameter_roles
+from deployrl.models.lora import is_adapter_name
+from deployrl.models.matching import LINEAR, EngineWeights, merged_adapters, parameter_roles
 from deployrl.registry import Registry, unknown_name_error
 
 __all__ = [
@@ -133,14 +134,12 @@ def _llamacpp_held(option: str, roles: dict[str, str], ndims: dict[str, int], se
 
 def _vllm_held(option: str, roles: dict[str, str], ndims: dict[str, int], settings: EngineSettings):
     option = resolved_option(option, this_cpu(), torch.cuda.is_available())
-    if LoraServing.get("lora serving", settings.lora_serving) is LoraServing.MERGED and ADAPTER in roles.values():
-        raise ValueError("model.match_engine with rollout.lora_serving=merged: the engine rounds the merged weights,"
-                         " which the trainer does not compute; serve the adapters (rollout.lora_serving=adapter)")
     if option not in ("fp32", "bf16", "fp16", "fp8_per_channel"):
         raise ValueError(f"model.match_engine knows vLLM's weights for vllm:fp32, bf16, fp16 and fp8_per_channel,"
                          f" not vllm:{option}")
     cast = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[VLLM_OPTIONS[option][0]]
-    # the FP8 option quantises the bf16 weights it is given, decoder linears only
+    # the FP8 option quantises the bf16 weights it is given, decoder linears only (merged adapters included:
+    # engine_weights); served adapters run in the compute dtype
     return {name: (cast, "fp8_per_channel") if option == "fp8_per_channel" and role == LINEAR else (cast,)
             for name, role in roles.items()}
 
@@ -227,4 +226,8 @@ def engine_weights(spec: str, model, source: ModelSource, **settings) -> EngineW
     kind_name, option = parse_engine_spec(spec)
     ndims = {name: weight.dim() for name, weight in model.named_parameters()}
     settings = EngineSettings(option, source, (), **settings)
-    return EngineWeights(ENGINES.get(kind_name).held(option, parameter_roles(model), ndims, settings))
+    formats = ENGINES.get(kind_name).held(option, parameter_roles(model), ndims, settings)
+    if LoraServing.get("lora serving", settings.lora_serving) is not LoraServing.MERGED:
+        return EngineWeights(formats)
+    # merged adapters are rounded with their base: not on their own
+    return EngineWeights({name: f for name, f in formats.items() if not is_adapter_name(name)}, merged_adapters(model))

@@ -11,13 +11,13 @@ optimizer step: the learner calls `forget`), not once per micro-batch.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 from torch import nn
 
 from deployrl.models.formats import held, straight_through
-from deployrl.models.lora import is_adapter_name
+from deployrl.models.lora import ADAPTER as ADAPTER_NAME, adapter_scales, is_adapter_name
 
 T = TypeVar("T")
 
@@ -34,12 +34,20 @@ class _Calls(nn.Module):
 
 
 class EngineWeights:
-    """{parameter name: formats} of one model and engine; the rounded values, cached per version."""
+    """{parameter name: formats} of one model and engine; the rounded values, cached per version.
 
-    def __init__(self, formats: dict[str, tuple[str, ...]]) -> None:
+    `merged` ({base weight name: (lora_A name, lora_B name, scale)}): the engine folds these adapters
+    into their base weight before rounding (`rollout.lora_serving=merged`). The trainer's base
+    weight W then computes as R(W + s B A) - s B A, so that with the adapter's own branch the
+    layer applies R(W + s B A), and the gradient reaches A and B straight-through.
+    """
+
+    def __init__(self, formats: dict[str, tuple[str, ...]],
+                 merged: Optional[dict[str, tuple[str, str, float]]] = None) -> None:
         # f32 holds fp32 (and narrower) weights exactly: nothing to round
         self.formats = {name: tuple(f) for name, f in formats.items() if tuple(f) not in ((), ("f32",))}
-        self._rounded: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
+        self.merged = {name: m for name, m in (merged or {}).items() if name in self.formats}
+        self._rounded: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
 
     def __bool__(self) -> bool:
         return bool(self.formats)
@@ -49,21 +57,30 @@ class EngineWeights:
         (a fused optimizer step)."""
         self._rounded.clear()
 
-    def rounded(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        """held(weight) in the weight's dtype, no gradient; recomputed when the weight changed (a new
-        version or storage) or after `forget`."""
-        key = (weight._version, weight.data_ptr())
+    def rounded(self, name: str, weight: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """held(weight) in the weight's dtype, no gradient (for a merged base, R(W + s B A) - s B A);
+        recomputed when a tensor it reads changed (a new version or storage) or after `forget`."""
+        tensors = [weight] + [params[n] for n in self.merged.get(name, ())[:2]]
+        key = tuple(v for t in tensors for v in (t._version, t.data_ptr()))
         cached = self._rounded.get(name)
         if cached is None or cached[0] != key:
-            cached = (key, held(weight, self.formats[name]).to(weight.dtype))
+            with torch.no_grad():
+                if name in self.merged:
+                    a, b, scale = params[self.merged[name][0]], params[self.merged[name][1]], self.merged[name][2]
+                    delta = scale * (b.float() @ a.float())
+                    value = held(weight.float() + delta, self.formats[name]) - delta
+                else:
+                    value = held(weight, self.formats[name])
+            cached = (key, value.to(weight.dtype))
             self._rounded[name] = cached
         return cached[1]
 
     def matched(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Every rounded parameter of `model` as the engine holds it, with the gradient of its own."""
-        return {name: straight_through(weight, self.rounded(name, weight)) if weight.requires_grad
-                else self.rounded(name, weight)
-                for name, weight in model.named_parameters() if name in self.formats}
+        params = dict(model.named_parameters())
+        return {name: straight_through(weight, self.rounded(name, weight, params)) if weight.requires_grad
+                else self.rounded(name, weight, params)
+                for name, weight in params.items() if name in self.formats}
 
     def call(self, model: nn.Module, fn: Callable[[nn.Module], T]) -> T:
         """fn(model), computed on the weights as the engine holds them."""
@@ -94,3 +111,15 @@ def parameter_roles(model: nn.Module) -> dict[str, str]:
         else:
             roles[name] = OTHER
     return roles
+
+
+def merged_adapters(model: nn.Module) -> dict[str, tuple[str, str, float]]:
+    """{base weight name: (lora_A weight name, lora_B weight name, alpha / r)} of `model`'s adapters."""
+    names = {name for name, _ in model.named_parameters()}
+    merged = {}
+    for module, scale in adapter_scales(model).items():
+        base, a, b = (f"{module}.base_layer.weight", f"{module}.lora_A.{ADAPTER_NAME}.weight",
+                      f"{module}.lora_B.{ADAPTER_NAME}.weight")
+        if {base, a, b} <= names:
+            merged[base] = (a, b, scale)
+    return merged

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from deployrl.algo.advantages import zero_variance_groups
-from deployrl.engines import make_engine
+from deployrl.engines import engine_weights, make_engine
 from deployrl.engines.base import (
     SEED_STRIDE,
     SEMANTICS,
@@ -36,7 +36,7 @@ from deployrl.engines.base import (
 )
 from deployrl.engines.check import check_engine, check_ids, reference_logprobs, reference_on
 from deployrl.errors import EngineError, EngineTimeout, RewardFailure
-from deployrl.models.loading import ModelSource, end_token_ids, load_model, output_head
+from deployrl.models.loading import ModelSource, Scorer, end_token_ids, load_model, output_head
 from deployrl.rewards.grading import overlong_penalty
 from deployrl.rewards.sandbox import score_completions
 from deployrl.settings.config import TrainConfig
@@ -173,7 +173,10 @@ class RolloutWorker:
         self.top_m = ps.top_m if PS_ORDERS.get(ps.proxies).engine_proxies(ps.strategy) else 0
         # the kernel self-check's sequence, scored by the model now (before sharding: every rank alone)
         self.check_ids = check_ids(tokenizer, self.vocab_size)
-        self.reference = reference_logprobs(model, self.check_ids)
+        self.matched = config.model.match_engine  # the trainer computes on the engine's weights (its own reference)
+        scorer = Scorer(model, None, engine_weights(config.rollout.engine, model, source,
+                                                    lora_serving=config.rollout.lora_serving)) if self.matched else model
+        self.reference = reference_logprobs(scorer, self.check_ids)
         self.engine: Optional[RolloutEngine] = self.build_engine() if self.samples else None
 
     def build_engine(self, weights: Optional[dict[str, torch.Tensor]] = None) -> RolloutEngine:
@@ -221,12 +224,12 @@ class RolloutWorker:
     def check_kernels(self, engine: RolloutEngine) -> None:
         """The engine's kernel self-check against the trainer's current weights (KernelMismatch); for
         a quantised file, against the trainer's model on the weights the file holds (one process:
-        a sharded model cannot take them)."""
+        a sharded model cannot take them), which a matched trainer computes on already."""
         quantised = engine.take_quantised_weights()
         reference = self.reference
-        if quantised is not None and not self.world.distributed:
+        if quantised is not None and not self.world.distributed and not self.matched:
             reference = reference_on(self.model, quantised, self.check_ids)
-        gap = check_engine(engine, reference, self.check_ids)
+        gap = check_engine(engine, reference, self.check_ids, self.matched)
         log.debug("kernel self-check of %s: mean |logp gap| %.4f", engine.name, gap)
 
     def collect(self, stream: PromptStream, step: int) -> Rollouts:
