@@ -79,6 +79,12 @@ def ps_method(strategy: str, proxies: str = "trainer") -> dict[str, Any]:
     return {**DAPO, "algo.ps.strategy": strategy, "algo.ps.proxies": proxies}
 
 
+def matched(method: dict[str, Any]) -> dict[str, Any]:
+    """`method` with the trainer computing on the weights of an FP8 engine (model.match_engine): the
+    weights rounded once per update, straight-through."""
+    return {**method, "model.match_engine": True, "rollout.engine": "hf:fp8"}
+
+
 # Method name -> config overrides (dotted keys of TrainConfig).
 METHODS: dict[str, dict[str, Any]] = {
     "grpo": GRPO,
@@ -90,6 +96,11 @@ METHODS: dict[str, dict[str, Any]] = {
     "ps:optimized": ps_method("optimized"),
     "ps:temporal:engine": ps_method("temporal", "engine"),
     "ps:optimized:engine": ps_method("optimized", "engine"),
+}
+DEFAULT_METHODS = tuple(METHODS)
+METHODS |= {  # asked for by name: what model.match_engine costs the update
+    "grpo:matched": matched(GRPO),
+    "ps:optimized:engine:matched": matched(ps_method("optimized", "engine")),
 }
 TOP_M = 16  # top tokens per position in the synthetic engine statistics
 REFERENCE = "grpo"  # ratios are taken to full-trajectory GRPO
@@ -358,7 +369,7 @@ class UpdateBenchConfig(Settings):
     model: str = setting("smollm2-135m", "model spec (alias, HF directory or .gguf file)")
     layers: int = setting(4, "keep the first N decoder layers (0: all)")
     t_max: tuple[int, ...] = setting(T_MAX, "longest completion lengths")
-    methods: tuple[str, ...] = setting(tuple(METHODS), f"methods to measure, from: {', '.join(METHODS)} (ratios need"
+    methods: tuple[str, ...] = setting(DEFAULT_METHODS, f"methods to measure, from: {', '.join(METHODS)} (ratios need"
                                                        f" {REFERENCE})")
     repeats: int = setting(3, "measurements per (method, T_max); medians are shown")
     json: Optional[str] = setting(None, "write settings and every raw measurement here")
