@@ -6,10 +6,10 @@ import gguf
 import pytest
 import torch
 
-from deployrl.engines import engine_weights
+from deployrl.engines import held_weights
 from deployrl.models.formats import fp8_per_channel, held
 from deployrl.models.loading import ModelSource, Scorer, resolve_model, token_logprobs
-from deployrl.models.matching import EMBEDDING, LINEAR, EngineWeights, merged_adapters, parameter_roles
+from deployrl.models.matching import EMBEDDING, LINEAR, HeldWeights, merged_adapters, parameter_roles
 
 GGUF_FORMATS = ["q8_0", "q4_0", "q4_1", "f16", "bf16"]
 
@@ -47,7 +47,7 @@ def prompts_and_completions(vocab: int, gen: torch.Generator):
 
 
 def test_the_matched_forward_is_the_model_on_held_weights_with_straight_through_gradients(gen):
-    """The scorer with EngineWeights computes what the model computes with its weights rounded
+    """The scorer with HeldWeights computes what the model computes with its weights rounded
     (a copy holding them, the slow reference), and its gradient with respect to each weight is the
     copy's gradient with respect to the rounded weight (straight-through)."""
     from tiny import tiny_model
@@ -62,7 +62,7 @@ def test_the_matched_forward_is_the_model_on_held_weights_with_straight_through_
             if name in formats:
                 weight.copy_(held(weight, formats[name]))
     prompts, completion, mask = prompts_and_completions(model.config.vocab_size, gen)
-    matched = token_logprobs(Scorer(model, None, EngineWeights(formats)), prompts, completion, mask).logp
+    matched = token_logprobs(Scorer(model, None, HeldWeights(formats)), prompts, completion, mask).logp
     reference = token_logprobs(rounded, prompts, completion, mask).logp
     unmatched = token_logprobs(model, prompts, completion, mask).logp
     assert torch.equal(matched, reference)
@@ -79,7 +79,7 @@ def test_the_rounding_follows_every_update_of_the_weights(gen):
 
     model = tiny_model("llama", hidden_size=64, init_std=0.05)
     formats = {name: ("q8_0",) for name, role in parameter_roles(model).items() if role == LINEAR}
-    weights = EngineWeights(formats)
+    weights = HeldWeights(formats)
     name = next(iter(formats))
     weight = dict(model.named_parameters())[name]
     before = weights.matched(model)[name].detach().clone()
@@ -101,17 +101,17 @@ def test_lora_roles_and_what_each_engine_holds(tiny_dir):
     roles = parameter_roles(model)
     assert {role for name, role in roles.items() if "lora_" in name} == {"adapter"}
     assert sum(role == EMBEDDING for role in roles.values()) == 1  # the tied head is the embedding
-    llamacpp = engine_weights("llamacpp:q4_1", model, source).formats
+    llamacpp = held_weights("llamacpp:q4_1", model, source).formats
     assert all("lora_" not in name for name in llamacpp)
     assert {llamacpp[name] for name, role in roles.items() if role == LINEAR} == {("q4_1",)}
     assert {llamacpp[name] for name, role in roles.items() if role == EMBEDDING} == {("q8_0",)}  # SmolLM2's file
-    vllm = engine_weights("vllm:fp8_per_channel", model, source).formats
+    vllm = held_weights("vllm:fp8_per_channel", model, source).formats
     assert {vllm[name] for name, role in roles.items() if role == LINEAR} == {("bf16", "fp8_per_channel")}
     assert {vllm[name] for name, role in roles.items() if role != LINEAR} == {("bf16",)}
-    merged = engine_weights("vllm:fp8_per_channel", model, source, lora_serving="merged")
+    merged = held_weights("vllm:fp8_per_channel", model, source, lora_serving="merged")
     assert set(merged.merged) == {name for name in roles if name.endswith("q_proj.base_layer.weight")}
     assert all("lora_" not in name for name in merged.formats)  # rounded with their base, not alone
-    assert not engine_weights("hf:fp32", model, source)
+    assert not held_weights("hf:fp32", model, source)
 
 
 @pytest.mark.parametrize("file_type", ["q4_1", "q8_0"])
@@ -133,7 +133,7 @@ def test_the_matched_trainer_holds_the_files_weights_and_computes_the_engines_lo
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.01)
     engine = LlamaCppEngine(model.state_dict(), model.config, template, file_type, [2], n_ctx=256)
     in_file = engine.take_quantised_weights()
-    weights = engine_weights(f"llamacpp:{file_type}", model, ModelSource(str(template.parent), template.name))
+    weights = held_weights(f"llamacpp:{file_type}", model, ModelSource(str(template.parent), template.name))
     matched = weights.matched(model)
     for name, value in in_file.items():
         assert torch.equal(matched[name] if name in matched else dict(model.named_parameters())[name], value), name
@@ -168,7 +168,7 @@ def test_a_matched_run_measures_the_kernels_gap_not_the_rounding_of_the_weights(
             "save_every=100", "eval.num_prompts=0", "tensorboard=false", f"output_dir={tmp_path / str(match)}",
         ])
         trainer = Trainer(config)
-        assert bool(trainer.learner.passes.scorer.engine_weights) is match
+        assert bool(trainer.learner.passes.scorer.held_weights) is match
         history = trainer.run()
         mean_d[match] = history[0]["dc/mean_D"]
     assert mean_d[True] < mean_d[False] / 2, mean_d
@@ -190,7 +190,7 @@ def test_merged_adapters_compute_the_rounded_merged_weight_with_the_adapters_cha
                 p.normal_(0, 0.05, generator=gen)
     formats = ("bf16", "fp8_per_channel")
     roles = parameter_roles(model)
-    weights = EngineWeights({name: formats for name, role in roles.items() if role == LINEAR}, merged_adapters(model))
+    weights = HeldWeights({name: formats for name, role in roles.items() if role == LINEAR}, merged_adapters(model))
     params = dict(model.named_parameters())
     reference, effective = copy.deepcopy(base), {}
     with torch.no_grad():

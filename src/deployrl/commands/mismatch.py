@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from deployrl.algo.discrepancy import SIGNALS, discrepancy_summary, token_discrepancy
-from deployrl.engines import check_model_file, engine_help, engine_weights, make_engine, parse_engine_spec
+from deployrl.engines import check_model_file, engine_help, held_weights, make_engine, parse_engine_spec
 from deployrl.engines.base import RolloutBatch, SamplingParams, trainer_view
 from deployrl.engines.check import check_engine, check_ids, reference_logprobs, verify_engine
 from deployrl.models.loading import (
@@ -167,7 +167,7 @@ def run(config: MismatchConfig) -> dict[str, object]:
 def matched_report(config: MismatchConfig, model, source: ModelSource, tokenizer, engine, batch: RolloutBatch,
                    params: SamplingParams) -> dict[str, object]:
     """The discrepancy and kernel self-check of the trainer computing on the engine's weights."""
-    scorer = Scorer(model, None, engine_weights(config.engine, model, source))
+    scorer = Scorer(model, None, held_weights(config.engine, model, source))
     with torch.no_grad():
         logp = token_logprobs(scorer, batch.prompt_ids, batch.completion_ids, batch.mask,
                               trainer_view(batch.semantics, params), config.chunk_tokens).logp

@@ -29,12 +29,12 @@ from deployrl.engines.vllm_engine import (
 )
 from deployrl.models.loading import ModelSource, unwrapped
 from deployrl.models.lora import is_adapter_name
-from deployrl.models.matching import LINEAR, EngineWeights, merged_adapters, parameter_roles
+from deployrl.models.matching import LINEAR, HeldWeights, merged_adapters, parameter_roles
 from deployrl.registry import Registry, unknown_name_error
 
 __all__ = [
     "ENGINES", "EngineKind", "EngineSettings", "LoraServing", "RolloutBatch", "RolloutEngine", "SamplingParams",
-    "Timing", "check_model_file", "engine_help", "engine_kind", "engine_weights", "lora_serving_help", "make_engine",
+    "Timing", "check_model_file", "engine_help", "engine_kind", "held_weights", "lora_serving_help", "make_engine",
     "parse_engine_spec", "serves_lora", "trainer_view",
 ]
 DEFAULT_CONTEXT = 2048  # llamacpp and vllm contexts when none is set
@@ -139,7 +139,7 @@ def _vllm_held(option: str, roles: dict[str, str], ndims: dict[str, int], settin
                          f" not vllm:{option}")
     cast = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[VLLM_OPTIONS[option][0]]
     # the FP8 option quantises the bf16 weights it is given, decoder linears only (merged adapters included:
-    # engine_weights); served adapters run in the compute dtype
+    # held_weights); served adapters run in the compute dtype
     return {name: (cast, "fp8_per_channel") if option == "fp8_per_channel" and role == LINEAR else (cast,)
             for name, role in roles.items()}
 
@@ -220,7 +220,7 @@ def make_engine(spec: str, model, source: ModelSource, eos_token_ids: list[int],
     return ENGINES.get(kind_name).build(model, EngineSettings(option, source, tuple(eos_token_ids), **settings))
 
 
-def engine_weights(spec: str, model, source: ModelSource, **settings) -> EngineWeights:
+def held_weights(spec: str, model, source: ModelSource, **settings) -> HeldWeights:
     """What engine `spec` holds of each of `model`'s parameters (`model.match_engine`); `settings`
     as for `make_engine` (lora_serving). A ValueError where the engine's weights are not known."""
     kind_name, option = parse_engine_spec(spec)
@@ -228,6 +228,6 @@ def engine_weights(spec: str, model, source: ModelSource, **settings) -> EngineW
     settings = EngineSettings(option, source, (), **settings)
     formats = ENGINES.get(kind_name).held(option, parameter_roles(model), ndims, settings)
     if LoraServing.get("lora serving", settings.lora_serving) is not LoraServing.MERGED:
-        return EngineWeights(formats)
+        return HeldWeights(formats)
     # merged adapters are rounded with their base: not on their own
-    return EngineWeights({name: f for name, f in formats.items() if not is_adapter_name(name)}, merged_adapters(model))
+    return HeldWeights({name: f for name, f in formats.items() if not is_adapter_name(name)}, merged_adapters(model))

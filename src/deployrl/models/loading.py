@@ -399,14 +399,14 @@ class Scorer(torch.nn.Module):
 
     With `autocast` (a dtype, e.g. bf16) the decoder runs under `torch.autocast`; `reduce` (the
     output head and its log-softmax) runs outside it, in the head's own dtype, so that the
-    log-probabilities the losses and δ compare are not rounded to bf16. With `engine_weights`
+    log-probabilities the losses and δ compare are not rounded to bf16. With `held_weights`
     (`model.match_engine`) the call computes on the weights as the engine holds them
     (models/matching.py), straight-through.
     """
 
-    def __init__(self, model, autocast: Optional[torch.dtype] = None, engine_weights=None) -> None:
+    def __init__(self, model, autocast: Optional[torch.dtype] = None, held_weights=None) -> None:
         super().__init__()
-        self.model, self.autocast, self.engine_weights = model, autocast, engine_weights
+        self.model, self.autocast, self.held_weights = model, autocast, held_weights
 
     def forward(self, prompt_ids: list[list[int]], completion_ids: torch.Tensor, mask: torch.Tensor, reduce):
         device = next(self.model.parameters()).device
@@ -417,7 +417,7 @@ class Scorer(torch.nn.Module):
             head = output_head(model)
             return reduce(hidden.to(head.dtype), head)
 
-        return self.engine_weights.call(self.model, compute) if self.engine_weights else compute(self.model)
+        return self.held_weights.call(self.model, compute) if self.held_weights else compute(self.model)
 
 
 def token_logprobs(

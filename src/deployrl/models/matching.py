@@ -1,8 +1,8 @@
 """The trainer's forward on the weights its engine holds (`model.match_engine`).
 
-`EngineWeights` knows, per parameter of the trainer's model, the formats the engine rounds it
+`HeldWeights` knows, per parameter of the trainer's model, the formats the engine rounds it
 through (`deployrl.models.formats`; the engine registry says which: `engines.held_formats`).
-`EngineWeights.call(model, fn)` runs `fn(model)` with every such parameter replaced by its
+`HeldWeights.call(model, fn)` runs `fn(model)` with every such parameter replaced by its
 rounded value, straight-through: the forward computes with the engine's weights and the gradient
 reaches the trainer's own (`torch.func.functional_call`, so names, state dicts and the optimizer
 see the model unchanged). A rounding is computed once per version of a parameter (after each
@@ -33,7 +33,7 @@ class _Calls(nn.Module):
         return fn(self.model)
 
 
-class EngineWeights:
+class HeldWeights:
     """{parameter name: formats} of one model and engine; the rounded values, cached per version.
 
     `merged` ({base weight name: (lora_A name, lora_B name, scale)}): the engine folds these adapters

@@ -30,7 +30,7 @@ from deployrl.algo.prefix import (
     law_weights,
     sample_plan,
 )
-from deployrl.engines import engine_weights
+from deployrl.engines import held_weights
 from deployrl.models.loading import (
     DTYPES,
     Scorer,
@@ -40,7 +40,7 @@ from deployrl.models.loading import (
     shares_prompts,
     token_logprobs,
 )
-from deployrl.models.matching import EngineWeights
+from deployrl.models.matching import HeldWeights
 from deployrl.settings.config import TrainConfig
 from deployrl.settings.model import Autocast
 from deployrl.training.distributed import World, balanced_shares, gather_in_order, shard
@@ -112,15 +112,15 @@ class Passes:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False) if config.algo.kl_coef > 0 else None
         # every use of the weights goes through these calls (what FSDP needs)
         autocast = Autocast(config.model.autocast).dtype(world.device, DTYPES[config.model.dtype])
-        self.scorer = Scorer(model, autocast, self._engine_weights(model))
-        self.ref_scorer = Scorer(ref_model, autocast, self._engine_weights(ref_model)) if ref_model is not None else None
+        self.scorer = Scorer(model, autocast, self._held_weights(model))
+        self.ref_scorer = Scorer(ref_model, autocast, self._held_weights(ref_model)) if ref_model is not None else None
         if world.distributed:
             for scorer in filter(None, (self.scorer, self.ref_scorer)):
                 shard(scorer, decoder_blocks(scorer.model), world, DTYPES[config.model.dtype])
         self.generator = torch.Generator().manual_seed(config.seed)
         self.dropout = has_dropout(model)
 
-    def _engine_weights(self, model: nn.Module) -> Optional[EngineWeights]:
+    def _held_weights(self, model: nn.Module) -> Optional[HeldWeights]:
         """With model.match_engine, what the rollout engine holds of `model`'s weights (one process only)."""
         config = self.config
         if not config.model.match_engine:
@@ -128,14 +128,14 @@ class Passes:
         if self.world.distributed:
             raise ValueError("model.match_engine is not supported under torchrun yet (the sharded weights would"
                              " be rounded shard by shard): train in one process, or turn it off")
-        return engine_weights(config.rollout.engine, model, resolve_model(config.model.name),
+        return held_weights(config.rollout.engine, model, resolve_model(config.model.name),
                               lora_serving=config.rollout.lora_serving)
 
     def weights_changed(self) -> None:
         """The optimizer updated the weights: the engine's rounding of them is computed anew (a fused
         AdamW step updates in place without bumping the tensors' version counters)."""
-        if self.scorer.engine_weights:
-            self.scorer.engine_weights.forget()
+        if self.scorer.held_weights:
+            self.scorer.held_weights.forget()
 
     def micro_batch_plans(
         self, units: list[int], prompt_tokens: list[int], completion_tokens: list[int], groups: Optional[list[int]],

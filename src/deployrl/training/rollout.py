@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from deployrl.algo.advantages import zero_variance_groups
-from deployrl.engines import engine_weights, make_engine
+from deployrl.engines import held_weights, make_engine
 from deployrl.engines.base import (
     SEED_STRIDE,
     SEMANTICS,
@@ -174,7 +174,7 @@ class RolloutWorker:
         # the kernel self-check's sequence, scored by the model now (before sharding: every rank alone)
         self.check_ids = check_ids(tokenizer, self.vocab_size)
         self.matched = config.model.match_engine  # the trainer computes on the engine's weights (its own reference)
-        scorer = Scorer(model, None, engine_weights(config.rollout.engine, model, source,
+        scorer = Scorer(model, None, held_weights(config.rollout.engine, model, source,
                                                     lora_serving=config.rollout.lora_serving)) if self.matched else model
         self.reference = reference_logprobs(scorer, self.check_ids)
         self.engine: Optional[RolloutEngine] = self.build_engine() if self.samples else None
