@@ -339,12 +339,14 @@ def recorded_gradients(learner):
     return gradients
 
 
+@pytest.mark.parametrize("matched", [False, True])
 @pytest.mark.parametrize("correction", ["dc", "tis", "mask"])
-def test_prefix_only_update_equals_the_full_pass_update(correction, device, tmp_path, tiny_dir):
+def test_prefix_only_update_equals_the_full_pass_update(correction, matched, device, tmp_path, tiny_dir):
     """For the same cutoffs, the update with logp_old from a no-grad pass over every token, from one
-    over the prefixes only, and fused into the graded pass (no no-grad pass) has one gradient."""
+    over the prefixes only, and fused into the graded pass (no no-grad pass) has one gradient; also
+    with the trainer on the engine's weights (model.match_engine)."""
     trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.ps.proxies=engine", "algo.ps.strategy=temporal",
-                                 f"model.device={device}",
+                                 f"model.device={device}", f"model.match_engine={str(matched).lower()}",
                                  f"algo.correction={correction}", "algo.dc.penalty=hinge", "algo.correction_cap=1.05"))
     trainer.model.double()  # as in the packing test: float32 log-softmax per token, summed in float64
     learner = trainer.learner
@@ -367,12 +369,15 @@ def test_prefix_only_update_equals_the_full_pass_update(correction, device, tmp_
     assert results[0].loss == pytest.approx(results[2].loss, rel=1e-5, abs=1e-7)
 
 
-def test_prefix_only_update_gradient_is_unbiased(tmp_path, tiny_dir):
+@pytest.mark.parametrize("matched", [False, True])
+def test_prefix_only_update_gradient_is_unbiased(matched, tmp_path, tiny_dir):
     """Monte Carlo through the real loss and backward: the mean over cutoff draws of the fused
     prefix-only update's gradient is the full-trajectory gradient, and normalising by the kept
     tokens instead of the real ones (the biased variant) is caught. Checked on projections of the
-    gradient (onto itself and random directions), each a mean of many independent draws."""
-    trainer = Trainer(toy_config(tmp_path, tiny_dir, "algo.ps.proxies=engine", "algo.ps.strategy=uniform",
+    gradient (onto itself and random directions), each a mean of many independent draws; also with
+    the trainer on the engine's weights (model.match_engine: straight-through, the same estimator)."""
+    trainer = Trainer(toy_config(tmp_path, tiny_dir, f"model.match_engine={str(matched).lower()}",
+                                 "algo.ps.proxies=engine", "algo.ps.strategy=uniform",
                                  "algo.correction=none", "algo.ps.budget=2", "optim.grad_clip=0"))  # clipping is not linear
     trainer.model.double()
     learner = trainer.learner
