@@ -1,7 +1,7 @@
 """The trainer's forward on the weights its engine holds (`model.match_engine`).
 
 `HeldWeights` knows, per parameter of the trainer's model, the formats the engine rounds it
-through (`deployrl.models.formats`; the engine registry says which: `engines.held_formats`).
+through (`deployrl.models.formats`; the engine registry says which: `engines.held_weights`).
 `HeldWeights.call(model, fn)` runs `fn(model)` with every such parameter replaced by its
 rounded value, straight-through: the forward computes with the engine's weights and the gradient
 reaches the trainer's own (`torch.func.functional_call`, so names, state dicts and the optimizer

@@ -129,7 +129,7 @@ class Passes:
             raise ValueError("model.match_engine is not supported under torchrun yet (the sharded weights would"
                              " be rounded shard by shard): train in one process, or turn it off")
         return held_weights(config.rollout.engine, model, resolve_model(config.model.name),
-                              lora_serving=config.rollout.lora_serving)
+                            lora_serving=config.rollout.lora_serving)
 
     def weights_changed(self) -> None:
         """The optimizer updated the weights: the engine's rounding of them is computed anew (a fused

@@ -175,7 +175,7 @@ class RolloutWorker:
         self.check_ids = check_ids(tokenizer, self.vocab_size)
         self.matched = config.model.match_engine  # the trainer computes on the engine's weights (its own reference)
         scorer = Scorer(model, None, held_weights(config.rollout.engine, model, source,
-                                                    lora_serving=config.rollout.lora_serving)) if self.matched else model
+                                                  lora_serving=config.rollout.lora_serving)) if self.matched else model
         self.reference = reference_logprobs(scorer, self.check_ids)
         self.engine: Optional[RolloutEngine] = self.build_engine() if self.samples else None
 
