@@ -23,19 +23,12 @@ from torch import nn
 
 from deployrl.engines.base import RolloutBatch, RolloutEngine, SamplingParams, Timing, pad_rollouts
 from deployrl.engines.sampling import sample_next
+from deployrl.models.formats import quantize_fp8
 from deployrl.models.loading import cache_argument, checkpointing_name, is_checkpointing
 from deployrl.models.lora import is_adapter_name
 from deployrl.registry import unknown_name_error
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
-
-
-def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of values [N, K] -> (float8_e4m3fn [N, K], float32 scales [N, 1]), one scale per row."""
-    scale = values.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (values.float() / scale).to(FP8), scale
 
 
 class FP8Linear(nn.Module):

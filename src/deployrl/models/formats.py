@@ -72,10 +72,18 @@ def q4_1(w: torch.Tensor) -> torch.Tensor:
     return (_f16(d) * q + _f16(low)).reshape(w.shape)
 
 
+def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of values [N, K] -> (float8_e4m3fn [N, K], round to nearest even; float32 scales [N, 1],
+    absolute max / 448): one scale per row, as the ``hf:fp8`` engine stores weights and quantises
+    activations."""
+    scale = values.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    return (values.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
 def fp8_per_channel(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N, K]: float8 e4m3 (round to nearest even) with one float32 scale per row."""
-    scale = w.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
+    """[N, K] -> [N, K]: float8 e4m3 with one float32 scale per row (`quantize_fp8`), dequantised."""
+    quantised, scale = quantize_fp8(w)
+    return quantised.float() * scale
 
 
 FORMATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
