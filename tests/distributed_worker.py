@@ -4,7 +4,7 @@
              VARIANT[,VARIANT...] [-- OVERRIDES]
 
 trains test_trainer's toy configuration with each VARIANT's options into ROOT/VARIANT/run. Every
-rank writes ROOT/VARIANT/rank{r}.json (λ, loss, reward and gradient norm per step); rank 0 writes the final
+rank writes ROOT/VARIANT/rank{r}.json (λ, loss, reward, gradient norm and δ per step); rank 0 writes the final
 weights to ROOT/VARIANT/weights.safetensors. With --fail-rank R, rank R raises in its first update.
 """
 
@@ -48,6 +48,7 @@ def run(tiny_dir: Path, root: Path, overrides: list[str], resume: bool, fail_ran
     (root / f"rank{rank}.json").write_text(json.dumps({
         "lambda": [m["dc/lambda"] for m in history], "loss": [m["loss"] for m in history],
         "reward": [m["reward/mean"] for m in history], "grad_norm": [m["grad_norm"] for m in history],
+        "delta": [m.get("dc/mean_D") for m in history],
     }))
     weights = full_state_dict(trainer.model, trainer.world)
     if rank == 0:

@@ -183,6 +183,26 @@ def test_a_failing_rank_stops_the_job_with_its_error(tmp_path, tiny_dir):
     assert time.monotonic() - start < 300  # stopped, not hung until the collective's timeout
 
 
+@pytest.mark.slow
+def test_a_matched_trainer_on_two_ranks_trains_as_one_process(tmp_path, tiny_dir):
+    """model.match_engine under FSDP2: each rank rounds the weights FSDP gathers for a layer's
+    forward, so 2 ranks compute what 1 process computes on the engine's weights, and δ is the
+    matched trainer's, far below the unmatched one's (the rounding did happen under FSDP). The
+    engine on rank 0 alone samples the same completions in both runs."""
+    fp8 = ["steps=2", "rollout.engine=hf:fp8", "rollout.engine_ranks=main"]
+    runs = {"ranks1": (1, True), "ranks2": (2, True), "unmatched": (2, False)}
+    for name, (ranks, matched) in runs.items():
+        finished(launch(ranks, tmp_path / name, tiny_dir, ["dc_optimized"], *fp8,
+                        f"model.match_engine={str(matched).lower()}"))
+    single, double, unmatched = (tmp_path / name / "dc_optimized" for name in runs)
+    one, two, other = (ranks_log(run, 0) for run in (single, double, unmatched))
+    assert two["reward"] == one["reward"] and other["reward"][0] == one["reward"][0]  # step 1: the same completions
+    assert two["delta"] == pytest.approx(one["delta"], rel=1e-3)
+    assert two["delta"][0] < 0.75 * other["delta"][0]  # measured: 0.49 × (0.0074 against 0.0151)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-3)
+    assert_trained_alike(single, double)
+
+
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "optim.lr=0.05"]
 
 

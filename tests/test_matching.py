@@ -233,3 +233,12 @@ def test_a_matched_trainer_is_held_to_the_tighter_bound():
     assert check_engine(Engine(), reference, ids) == pytest.approx(gap)
     with pytest.raises(KernelMismatch):
         check_engine(Engine(), reference, ids, matched=True)
+
+
+def test_matching_refuses_activation_checkpointing():
+    """The backward's recomputation of a checkpointed layer would run on the trainer's own weights
+    (measured on the tiny model: gradients off by 1.9 where they reach 9.2), so the pair is refused."""
+    from deployrl.settings.config import ModelConfig
+
+    with pytest.raises(ValueError, match="activation checkpointing"):
+        ModelConfig(match_engine=True, activation_checkpointing=True)

@@ -220,14 +220,16 @@ def make_engine(spec: str, model, source: ModelSource, eos_token_ids: list[int],
     return ENGINES.get(kind_name).build(model, EngineSettings(option, source, tuple(eos_token_ids), **settings))
 
 
-def held_weights(spec: str, model, source: ModelSource, **settings) -> HeldWeights:
-    """What engine `spec` holds of each of `model`'s parameters (`model.match_engine`); `settings`
-    as for `make_engine` (lora_serving). A ValueError where the engine's weights are not known."""
+def held_weights(spec: str, model, source: ModelSource, cache: bool = True, **settings) -> HeldWeights:
+    """What engine `spec` holds of each of `model`'s parameters (`model.match_engine`); `cache` as
+    for `HeldWeights`, `settings` as for `make_engine` (lora_serving). A ValueError where the
+    engine's weights are not known."""
     kind_name, option = parse_engine_spec(spec)
     ndims = {name: weight.dim() for name, weight in model.named_parameters()}
     settings = EngineSettings(option, source, (), **settings)
     formats = ENGINES.get(kind_name).held(option, parameter_roles(model), ndims, settings)
     if LoraServing.get("lora serving", settings.lora_serving) is not LoraServing.MERGED:
-        return HeldWeights(formats)
+        return HeldWeights(formats, cache=cache)
     # merged adapters are rounded with their base: not on their own
-    return HeldWeights({name: f for name, f in formats.items() if not is_adapter_name(name)}, merged_adapters(model))
+    return HeldWeights({name: f for name, f in formats.items() if not is_adapter_name(name)}, merged_adapters(model),
+                       cache)

@@ -4,13 +4,18 @@
 through (`deployrl.models.formats`; the engine registry says which: `engines.held_weights`).
 `HeldWeights.call(model, fn)` runs `fn(model)` with every such parameter replaced by its
 rounded value, straight-through: the forward computes with the engine's weights and the gradient
-reaches the trainer's own (`torch.func.functional_call`, so names, state dicts and the optimizer
-see the model unchanged). A rounding is computed once per version of a parameter (after each
-optimizer step: the learner calls `forget`), not once per micro-batch.
+reaches the trainer's own. The swap happens inside each module that owns such a parameter, for
+the span of its forward (hooks registered for the call alone), because that is where the weight
+is whole: under FSDP2 a decoder layer's parameters are gathered only for its forward, and the
+rounding of a row-blocked format needs every column of a row. Names, state dicts and the
+optimizer see the model unchanged. A rounding is computed once per version of a parameter (after
+each optimizer step: the learner calls `forget`), not once per micro-batch; with `cache=False`
+(FSDP2, where a cached copy would hold every rank's weights whole) once per forward.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Callable, Optional, TypeVar
 
 import torch
@@ -20,17 +25,6 @@ from deployrl.models.formats import held, straight_through
 from deployrl.models.lora import ADAPTER as ADAPTER_NAME, adapter_scales, is_adapter_name
 
 T = TypeVar("T")
-
-
-class _Calls(nn.Module):
-    """`fn(model)` as a module call, so that functional_call can swap the model's parameters."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, fn: Callable[[nn.Module], T]) -> T:
-        return fn(self.model)
 
 
 class HeldWeights:
@@ -43,10 +37,11 @@ class HeldWeights:
     """
 
     def __init__(self, formats: dict[str, tuple[str, ...]],
-                 merged: Optional[dict[str, tuple[str, str, float]]] = None) -> None:
+                 merged: Optional[dict[str, tuple[str, str, float]]] = None, cache: bool = True) -> None:
         # f32 holds fp32 (and narrower) weights exactly: nothing to round
         self.formats = {name: tuple(f) for name, f in formats.items() if tuple(f) not in ((), ("f32",))}
         self.merged = {name: m for name, m in (merged or {}).items() if name in self.formats}
+        self.cache = cache
         self._rounded: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
 
     def __bool__(self) -> bool:
@@ -57,35 +52,93 @@ class HeldWeights:
         (a fused optimizer step)."""
         self._rounded.clear()
 
-    def rounded(self, name: str, weight: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        """held(weight) in the weight's dtype, no gradient (for a merged base, R(W + s B A) - s B A);
-        recomputed when a tensor it reads changed (a new version or storage) or after `forget`."""
-        tensors = [weight] + [params[n] for n in self.merged.get(name, ())[:2]]
+    def rounded(self, name: str, weight: torch.Tensor, params: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """held(weight) in the weight's dtype, no gradient (for a merged base, R(W + s B A) - s B A,
+        A and B looked up by name in `params`); recomputed when a tensor it reads changed (a new
+        version or storage), after `forget`, or always without the cache."""
+        tensors = [weight] + [params(n) for n in self.merged.get(name, ())[:2]]
         key = tuple(v for t in tensors for v in (t._version, t.data_ptr()))
         cached = self._rounded.get(name)
         if cached is None or cached[0] != key:
             with torch.no_grad():
                 if name in self.merged:
-                    a, b, scale = params[self.merged[name][0]], params[self.merged[name][1]], self.merged[name][2]
+                    a, b, scale = tensors[1], tensors[2], self.merged[name][2]
                     delta = scale * (b.float() @ a.float())
                     value = held(weight.float() + delta, self.formats[name]) - delta
                 else:
                     value = held(weight, self.formats[name])
             cached = (key, value.to(weight.dtype))
-            self._rounded[name] = cached
+            if self.cache:
+                self._rounded[name] = cached
         return cached[1]
+
+    def value(self, name: str, weight: torch.Tensor, params: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The rounded `weight`, with the gradient of its own if it takes one."""
+        rounded = self.rounded(name, weight, params)
+        return straight_through(weight, rounded) if weight.requires_grad else rounded
 
     def matched(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Every rounded parameter of `model` as the engine holds it, with the gradient of its own."""
-        params = dict(model.named_parameters())
-        return {name: straight_through(weight, self.rounded(name, weight, params)) if weight.requires_grad
-                else self.rounded(name, weight, params)
-                for name, weight in params.items() if name in self.formats}
+        return {name: self.value(name, weight, model.get_parameter)
+                for name, weight in model.named_parameters() if name in self.formats}
 
     def call(self, model: nn.Module, fn: Callable[[nn.Module], T]) -> T:
-        """fn(model), computed on the weights as the engine holds them."""
-        weights = {f"model.{name}": value for name, value in self.matched(model).items()}
-        return torch.func.functional_call(_Calls(model), weights, (fn,), strict=False, tie_weights=True)
+        """fn(model), computed on the weights as the engine holds them.
+
+        Each module that owns a rounded parameter swaps in its value for the span of its forward
+        (then the weight is the one FSDP2 gathered for that forward). The output head's weight is
+        read directly, not through its module's forward (the chunked log-softmax), so it is swapped
+        for the whole call (under FSDP2 the head belongs to the root, gathered for the whole call).
+        """
+        names = {}  # a parameter's first name: tied weights (embedding and head) have one format entry
+        owners = []
+        for prefix, module in model.named_modules():
+            for local, weight in module._parameters.items():
+                if weight is not None:
+                    name = names.setdefault(id(weight), f"{prefix}.{local}" if prefix else local)
+                    if name in self.formats:
+                        owners.append((module, local, name))
+        head, values = model.get_output_embeddings(), {}
+        with ExitStack() as stack:
+            for module, local, name in owners:
+                swap = _Swap(self, model, local, name, values)
+                if module is head:
+                    swap.enter(module)
+                    stack.callback(swap.leave, module)
+                else:
+                    stack.callback(module.register_forward_pre_hook(swap.pre_hook).remove)
+                    stack.callback(module.register_forward_hook(swap.post_hook, always_call=True).remove)
+            return fn(model)
+
+
+class _Swap:
+    """One module's rounded parameter in place of its own, between `enter` and `leave` (nests).
+
+    `values` ({id of a weight: its value}) is shared by the swaps of one call: a tied weight
+    (embedding and head) gets one value, whose gradient reaches the weight summed as the model's own.
+    """
+
+    def __init__(self, weights: HeldWeights, model: nn.Module, local: str, name: str,
+                 values: dict[int, torch.Tensor]) -> None:
+        self.weights, self.model, self.local, self.name, self.values = weights, model, local, name, values
+        self.saved: list[torch.Tensor] = []
+
+    def enter(self, module: nn.Module) -> None:
+        weight = module._parameters[self.local]
+        self.saved.append(weight)
+        if id(weight) not in self.values:
+            self.values[id(weight)] = self.weights.value(self.name, weight, self.model.get_parameter)
+        # not setattr: a Parameter's slot takes a plain (differentiable) tensor only through the dict
+        module._parameters[self.local] = self.values[id(weight)]
+
+    def leave(self, module: nn.Module) -> None:
+        module._parameters[self.local] = self.saved.pop()
+
+    def pre_hook(self, module: nn.Module, args) -> None:
+        self.enter(module)
+
+    def post_hook(self, module: nn.Module, args, output) -> None:
+        self.leave(module)
 
 
 EMBEDDING, HEAD, LINEAR, ADAPTER, OTHER = "embedding", "head", "linear", "adapter", "other"

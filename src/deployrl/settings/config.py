@@ -149,6 +149,11 @@ class ModelConfig:
             raise ValueError(f"model.autocast=bf16 casts fp32 weights for the compute; model.dtype is {self.dtype}:"
                              " use model.autocast=off (the compute is already in that dtype)")
         check_positive("chunk_tokens", self.chunk_tokens)
+        if self.match_engine and self.activation_checkpointing:
+            # the backward's recomputation runs after the matched call has put the weights back
+            raise ValueError("model.match_engine computes on the engine's weights only during the forward call;"
+                             " activation checkpointing would recompute the layers on the trainer's own weights"
+                             " in the backward: turn one of them off")
 
 
 @dataclass(frozen=True)

@@ -121,15 +121,13 @@ class Passes:
         self.dropout = has_dropout(model)
 
     def _held_weights(self, model: nn.Module) -> Optional[HeldWeights]:
-        """With model.match_engine, what the rollout engine holds of `model`'s weights (one process only)."""
+        """With model.match_engine, what the rollout engine holds of `model`'s weights; under FSDP2
+        rounded at each forward, not cached (a cached rounding would hold every weight whole)."""
         config = self.config
         if not config.model.match_engine:
             return None
-        if self.world.distributed:
-            raise ValueError("model.match_engine is not supported under torchrun yet (the sharded weights would"
-                             " be rounded shard by shard): train in one process, or turn it off")
         return held_weights(config.rollout.engine, model, resolve_model(config.model.name),
-                            lora_serving=config.rollout.lora_serving)
+                            cache=not self.world.distributed, lora_serving=config.rollout.lora_serving)
 
     def weights_changed(self) -> None:
         """The optimizer updated the weights: the engine's rounding of them is computed anew (a fused
