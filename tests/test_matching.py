@@ -242,3 +242,38 @@ def test_matching_refuses_activation_checkpointing():
 
     with pytest.raises(ValueError, match="activation checkpointing"):
         ModelConfig(match_engine=True, activation_checkpointing=True)
+
+
+def test_without_the_cache_the_backward_recomputes_the_rounding_instead_of_keeping_it(gen, monkeypatch):
+    """As FSDP2 runs it (no cache): the same forward and gradients bit for bit as with the cache,
+    and no rounded weight outlives the forward (the backward rounds again), so a sharded model is
+    not held whole until its backward."""
+    import gc
+    import weakref
+
+    from tiny import tiny_model
+
+    model = tiny_model("llama", hidden_size=64, init_std=0.05).train()
+    formats = {name: ("q4_1",) if role == LINEAR else ("q8_0",) for name, role in parameter_roles(model).items()
+               if role in (LINEAR, EMBEDDING)}
+    prompts, completion, mask = prompts_and_completions(model.config.vocab_size, gen)
+    results = {}
+    for cache in (True, False):
+        weights, rounded = HeldWeights(formats, cache=cache), []
+        compute = weights.rounded
+        monkeypatch.setattr(weights, "rounded", lambda *a: rounded.append(compute(*a)) or rounded[-1])
+        logp = token_logprobs(Scorer(model, None, weights), prompts, completion, mask).logp
+        forward_roundings = len(rounded)
+        kept = [weakref.ref(r) for r in rounded]
+        rounded.clear()
+        gc.collect()
+        alive = sum(r() is not None for r in kept)
+        logp[mask].sum().backward()
+        results[cache] = logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, alive, len(rounded)
+        model.zero_grad()
+        assert forward_roundings == len(formats)
+    (logp, grads, alive, again), (logp_nc, grads_nc, alive_nc, again_nc) = results[True], results[False]
+    assert torch.equal(logp, logp_nc)
+    assert all(torch.equal(grads[n], grads_nc[n]) for n in grads)
+    assert alive == len(formats) and again == 0  # cached: kept, nothing rounded again
+    assert alive_nc == 0 and again_nc > 0  # recomputed in the backward

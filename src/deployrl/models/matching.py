@@ -89,6 +89,8 @@ class HeldWeights:
         (then the weight is the one FSDP2 gathered for that forward). The output head's weight is
         read directly, not through its module's forward (the chunked log-softmax), so it is swapped
         for the whole call (under FSDP2 the head belongs to the root, gathered for the whole call).
+        Without the cache the backward recomputes a rounded weight instead of keeping it from the
+        forward, as FSDP2 gathers a weight again instead of keeping it.
         """
         names = {}  # a parameter's first name: tied weights (embedding and head) have one format entry
         owners = []
@@ -98,10 +100,12 @@ class HeldWeights:
                     name = names.setdefault(id(weight), f"{prefix}.{local}" if prefix else local)
                     if name in self.formats:
                         owners.append((module, local, name))
-        head, values = model.get_output_embeddings(), {}
+        head, state = model.get_output_embeddings(), _Call(self, model)
         with ExitStack() as stack:
+            if not self.cache and torch.is_grad_enabled():
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack))
             for module, local, name in owners:
-                swap = _Swap(self, model, local, name, values)
+                swap = _Swap(state, local, name)
                 if module is head:
                     swap.enter(module)
                     stack.callback(swap.leave, module)
@@ -111,25 +115,47 @@ class HeldWeights:
             return fn(model)
 
 
+class _Call:
+    """The rounded values of one `HeldWeights.call`: one per weight (a tied embedding and head get
+    one, whose gradient reaches the weight summed as the model's own), and how to recompute each
+    for the backward (`pack`, `unpack`: a saved tensor that views a rounded value is kept as the
+    weight's name and the view's geometry)."""
+
+    def __init__(self, weights: HeldWeights, model: nn.Module) -> None:
+        self.weights, self.model = weights, model
+        self.values: dict[int, torch.Tensor] = {}  # id of a weight: its value
+        self.recipes: dict[int, tuple[str, torch.Tensor]] = {}  # a value's storage: (name, weight)
+
+    def value(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        if id(weight) not in self.values:
+            value = self.weights.value(name, weight, self.model.get_parameter)
+            self.values[id(weight)] = value
+            self.recipes[value.untyped_storage().data_ptr()] = (name, weight)
+        return self.values[id(weight)]
+
+    def pack(self, saved: torch.Tensor):
+        recipe = self.recipes.get(saved.untyped_storage().data_ptr()) if saved.layout is torch.strided else None
+        return saved if recipe is None else (recipe, saved.size(), saved.stride(), saved.storage_offset())
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        (name, weight), size, stride, offset = packed
+        return self.weights.rounded(name, weight, self.model.get_parameter).as_strided(size, stride, offset)
+
+
 class _Swap:
-    """One module's rounded parameter in place of its own, between `enter` and `leave` (nests).
+    """One module's rounded parameter in place of its own, between `enter` and `leave` (nests)."""
 
-    `values` ({id of a weight: its value}) is shared by the swaps of one call: a tied weight
-    (embedding and head) gets one value, whose gradient reaches the weight summed as the model's own.
-    """
-
-    def __init__(self, weights: HeldWeights, model: nn.Module, local: str, name: str,
-                 values: dict[int, torch.Tensor]) -> None:
-        self.weights, self.model, self.local, self.name, self.values = weights, model, local, name, values
+    def __init__(self, state: _Call, local: str, name: str) -> None:
+        self.state, self.local, self.name = state, local, name
         self.saved: list[torch.Tensor] = []
 
     def enter(self, module: nn.Module) -> None:
         weight = module._parameters[self.local]
         self.saved.append(weight)
-        if id(weight) not in self.values:
-            self.values[id(weight)] = self.weights.value(self.name, weight, self.model.get_parameter)
         # not setattr: a Parameter's slot takes a plain (differentiable) tensor only through the dict
-        module._parameters[self.local] = self.values[id(weight)]
+        module._parameters[self.local] = self.state.value(self.name, weight)
 
     def leave(self, module: nn.Module) -> None:
         module._parameters[self.local] = self.saved.pop()
