@@ -156,6 +156,22 @@ def test_fp8_engine_quantises_and_passes_its_self_check(model):
         fp8.close()
 
 
+def test_fp8_per_channel_is_what_vllm_computes_from_the_bf16_weights_bit_for_bit():
+    """The matched trainer's FP8 rounding against vLLM's own online per-channel quantiser, rows
+    whose absolute max falls under the scale's floor (1 / 512) and an all-zero row included."""
+    from vllm.model_executor.layers.quantization.online.fp8 import _fp8_channel_scale, _fp8_quant_per_channel
+    from vllm.model_executor.layers.quantization.utils.quant_utils import weight_amax
+
+    from deployrl.models.formats import held
+
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(256, 384, generator=gen) * torch.logspace(-6, 1, 256)[:, None]).to(torch.bfloat16)
+    w[0] = 0
+    scale = _fp8_channel_scale(weight_amax(w, dim=-1, keepdim=True))
+    assert bool((scale[:, 0] == scale.min()).sum() > 1)  # the floor binds on some rows
+    assert torch.equal(held(w.float(), ["bf16", "fp8_per_channel"]), _fp8_quant_per_channel(w, scale).float() * scale)
+
+
 @pytest.mark.parametrize("serving", [None, "adapter", "merged"])
 def test_a_matched_trainer_computes_on_the_fp8_weights_vllm_holds(model, serving):
     """model.match_engine with vLLM's per-channel FP8 (and LoRA adapters served beside it or merged

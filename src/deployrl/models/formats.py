@@ -74,9 +74,14 @@ def q4_1(w: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of values [N, K] -> (float8_e4m3fn [N, K], round to nearest even; float32 scales [N, 1],
-    absolute max / 448): one scale per row, as the ``hf:fp8`` engine stores weights and quantises
-    activations."""
-    scale = values.detach().abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    absolute max / 448, at least 1 / (448 * 512)): one scale per row, as the ``hf:fp8`` engine
+    stores weights and quantises activations and as vLLM's online ``fp8_per_channel`` computes it.
+
+    Both divisions are true divisions by tensors, as vLLM's are: a Python-float divisor is lowered
+    to a multiplication by its reciprocal on GPUs, which rounds some scales the other way."""
+    fp8_max = torch.tensor(FP8_MAX, device=values.device)
+    amax = values.detach().abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / fp8_max).clamp_min(1.0 / (fp8_max * 512))
     return (values.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
