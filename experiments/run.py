@@ -15,9 +15,10 @@ training reward over the first and last quarter of the steps, the deployment-eng
 before / after training and at equal wall time (the fastest arm's total), mean discrepancy,
 tolerance c, lambda, fraction of tokens over c, seconds per step and tokens backpropagated.
 With `--seeds`, each arm runs once per seed (`<out>/<arm>/seed<N>`, the seed set last so it wins
-over an arm's own) and the report (`<out>/report_seeds.md`, `plots/seeds.png`) gives per arm the
-mean and 95% t-interval over seeds of the eval before and after training, and with `--baseline`
-the paired difference to that arm, seed by seed, with its interval.
+over an arm's own) and the report (`<out>/report_seeds.md`, `plots/seeds.png` and one
+`plots/<group>_seeds.png` per plot group: D per step for each seed beside the end scores) gives
+per arm the mean and 95% t-interval over seeds of the eval before and after training, and with
+`--baseline` the paired difference to that arm, seed by seed, with its interval.
 """
 
 from __future__ import annotations
@@ -212,21 +213,41 @@ def seeded_report(spec: dict, out: Path, steps: int, seeds: list[int], baseline:
         ]) + " |")
     table = "\n".join(lines)
     (out / "plots").mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(1.2 * len(ends) + 2, 3.5))
-    for x, (name, by_seed) in enumerate(ends.items()):
-        values = list(by_seed.values())
-        ax.scatter([x] * len(values), values, s=12, color="grey")
-        if len(values) > 1:
-            mean, half = interval(values)
-            ax.errorbar([x], [mean], yerr=[half], fmt="o", color="black", capsize=4)
-    ax.set_xticks(range(len(ends)), list(ends), rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(f"eval pass@1 after {steps} steps")
-    ax.set_title("each seed (grey), mean and 95% interval (black)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "plots" / "seeds.png", dpi=110)
-    plt.close(fig)
+    groups = {"seeds": list(ends)} | {f"{group}_seeds": [n for n in names if n in ends]
+                                      for group, names in spec.get("plots", {}).items()}
+    for group, names in groups.items():
+        if names:
+            seeds_figure(plt, out / "plots" / f"{group}.png", {n: runs[n] for n in names}, ends, steps)
     (out / "report_seeds.md").write_text(table + "\n")
     return table
+
+
+def seeds_figure(plt, path: Path, runs: dict[str, dict[int, list[dict]]], ends: dict[str, dict[int, float]],
+                 steps: int) -> None:
+    """Mean D per step, one line per seed, coloured by arm (log scale where it spans a decade), beside
+    each arm's eval after training: every seed (grey), the mean and its 95% interval (black)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(2.0 * len(runs) + 6, 3.5))
+    for colour, (name, by_seed) in enumerate(runs.items()):
+        for i, rows in enumerate(by_seed.values()):
+            left.plot(*series(rows, "dc/mean_D"), color=f"C{colour}", label=name if i == 0 else None)
+    drawn = [y for line in left.get_lines() for y in line.get_ydata()]
+    if drawn and min(drawn) > 0 and max(drawn) > 10 * min(drawn):
+        left.set_yscale("log")
+    left.set_xlabel("step")
+    left.set_title(PANELS["dc/mean_D"] + ", each seed", fontsize=9)
+    left.legend(fontsize=7)
+    for x, name in enumerate(runs):
+        values = list(ends[name].values())
+        right.scatter([x] * len(values), values, s=12, color="grey")
+        if len(values) > 1:
+            mean, half = interval(values)
+            right.errorbar([x], [mean], yerr=[half], fmt="o", color="black", capsize=4)
+    right.set_xticks(range(len(runs)), list(runs), rotation=30, ha="right", fontsize=8)
+    right.set_ylabel(f"eval pass@1 after {steps} steps")
+    right.set_title("each seed (grey), mean and 95% interval (black)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

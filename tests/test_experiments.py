@@ -61,6 +61,7 @@ def test_runner_trains_each_arm_once_and_reports(tmp_path, tiny_dir, capsys, mon
     assert runner.main([str(folder), "--out", str(out), "--seeds", "0", "1", "--baseline", "full"]) == 0
     printed = capsys.readouterr().out
     assert (out / "full" / "seed1" / "metrics.jsonl").exists() and (out / "plots" / "seeds.png").exists()
+    assert (out / "plots" / "toy_seeds.png").exists()  # D per step by seed beside the end scores
     ps_row = next(line for line in printed.splitlines() if line.startswith("| ps |"))
     cells = [cell.strip() for cell in ps_row.strip("|").split("|")]
     assert cells[2] == "0, 1" and " ± " in cells[4]  # the mean and 95% interval over the two seeds
