@@ -76,7 +76,8 @@ def run_arm(spec: dict, name: str, out: Path, steps: int, extra: list[str], seed
         return
     arm = spec["arms"][name]
     extra = extra if seed is None else [*extra, f"seed={seed}"]
-    resume = ["--resume"] if (run_dir / "checkpoints").exists() else []
+    # a run stopped before its first checkpoint left logs only: --resume starts it over
+    resume = ["--resume"] if run_dir.is_dir() and any(run_dir.iterdir()) else []
     command = [
         sys.executable, "-m", "deployrl", "train", str(spec["base"]), *arm["overrides"],
         f"steps={steps}", f"output_dir={run_dir}", *extra, *resume,

@@ -58,6 +58,9 @@ def test_runner_trains_each_arm_once_and_reports(tmp_path, tiny_dir, capsys, mon
     assert runner.finished(out / "full", 2) and runner.finished(out / "ps", 2)
     runner.main([str(folder), "--out", str(out)])
     assert capsys.readouterr().out.count("already finished, skipped") == 2
+    stopped = out / "full" / "seed1"  # a run stopped before its first checkpoint: logs, no checkpoint
+    stopped.mkdir(parents=True)
+    (stopped / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
     assert runner.main([str(folder), "--out", str(out), "--seeds", "0", "1", "--baseline", "full"]) == 0
     printed = capsys.readouterr().out
     assert (out / "full" / "seed1" / "metrics.jsonl").exists() and (out / "plots" / "seeds.png").exists()
