@@ -114,6 +114,9 @@ def test_lora_roles_and_what_each_engine_holds(tiny_dir):
     assert set(merged.merged) == {name for name in roles if name.endswith("q_proj.base_layer.weight")}
     assert all("lora_" not in name for name in merged.formats)  # rounded with their base, not alone
     assert not held_weights("hf:fp32", model, source)
+    for option in ("fp8", "fp8_per_tensor", "fp8_per_block"):  # rounded over merged q/k/v and gate/up
+        with pytest.raises(ValueError, match=f"not vllm:{option}, which rounds the merged"):
+            held_weights(f"vllm:{option}", model, source)
 
 
 @pytest.mark.parametrize("file_type", ["q4_1", "q8_0"])

@@ -136,7 +136,8 @@ def _vllm_held(option: str, roles: dict[str, str], ndims: dict[str, int], settin
     option = resolved_option(option, this_cpu(), torch.cuda.is_available())
     if option not in ("fp32", "bf16", "fp16", "fp8_per_channel"):
         raise ValueError(f"model.match_engine knows vLLM's weights for vllm:fp32, bf16, fp16 and fp8_per_channel,"
-                         f" not vllm:{option}")
+                         f" not vllm:{option}, which rounds the merged q/k/v and gate/up weights as one tensor"
+                         " (docs/engines.md): use vllm:fp8_per_channel, or turn model.match_engine off")
     cast = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}[VLLM_OPTIONS[option][0]]
     # the FP8 option quantises the bf16 weights it is given, decoder linears only (merged adapters included:
     # held_weights); served adapters run in the compute dtype
