@@ -16,15 +16,18 @@ before / after training and at equal wall time (the fastest arm's total), mean d
 tolerance c, lambda, fraction of tokens over c, seconds per step and tokens backpropagated.
 With `--seeds`, each arm runs once per seed (`<out>/<arm>/seed<N>`, the seed set last so it wins
 over an arm's own) and the report (`<out>/report_seeds.md`, `plots/seeds.png` and one
-`plots/<group>_seeds.png` per plot group: D per step for each seed beside the end scores) gives
-per arm the mean and 95% t-interval over seeds of the eval before and after training, and with
-`--baseline` the paired difference to that arm, seed by seed, with its interval.
+`plots/<group>_seeds.png` per plot group: D per step for each seed, or the eval against training
+minutes where arms.yaml sets `seeds_panel: eval_by_time`, beside the end scores) gives per arm the
+mean and 95% t-interval over seeds of the eval before and after training and at equal wall time
+(per seed, the fastest arm's total), with `--baseline` the paired difference to that arm, seed by
+seed, with its interval, and the median update seconds and tokens backpropagated per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -170,8 +173,10 @@ def report(spec: dict, out: Path, steps: int) -> str:
 
 
 def seeded_report(spec: dict, out: Path, steps: int, seeds: list[int], baseline: Optional[str]) -> str:
-    """Per arm, over the seeds finished: eval before / after (mean ± 95% interval), the paired
-    difference to `baseline` at the end, mean δ first → last, c and λ at the end."""
+    """Per arm, over the seeds finished: eval before / after and at equal wall time (mean ± 95%
+    interval), the paired difference to `baseline` at both, mean δ first → last, c and λ at the end,
+    the median update seconds per step and the tokens backpropagated per step. Equal time is set
+    seed by seed: the shortest total training time among the arms finished with that seed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,25 +197,35 @@ def seeded_report(spec: dict, out: Path, steps: int, seeds: list[int], baseline:
         mean, half = interval(values)
         return f"{mean:.3f} ± {half:.3f}"
 
+    curves = {name: {seed: eval_by_time(rows) for seed, rows in by_seed.items()} for name, by_seed in runs.items()}
+    finished_seeds = {seed for by_seed in curves.values() for seed in by_seed}
+    equal_time = {seed: min(by_seed[seed][0][-1] for by_seed in curves.values() if seed in by_seed)
+                  for seed in finished_seeds}
     headers = ["arm", "what", "seeds", "eval before", f"eval after {steps} steps",
-               f"after − {baseline}" if baseline else "after − before", "mean δ first → last", "c", "λ end"]
+               f"after − {baseline}" if baseline else "after − before", "eval at equal time",
+               f"at equal time − {baseline}" if baseline else "at equal time − before", "mean δ first → last", "c",
+               "λ end", "update s/step (median)", "tokens backprop / step"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    ends = {}
+    ends, at_equal_time = {}, {}
     for name, by_seed in runs.items():
-        before = [evals(rows)[0] for rows in by_seed.values() if 0 in evals(rows)]
+        before = {seed: evals(rows)[0] for seed, rows in by_seed.items() if 0 in evals(rows)}
         ends[name] = {seed: evals(rows)[steps] for seed, rows in by_seed.items()}
-        if baseline:
-            reference = runs.get(baseline, {})
-            paired = [ends[name][seed] - evals(reference[seed])[steps] for seed in by_seed if seed in reference]
-        else:
-            paired = [evals(rows)[steps] - evals(rows)[0] for rows in by_seed.values() if 0 in evals(rows)]
+        at_equal_time[name] = {seed: at_time(curve, equal_time[seed]) for seed, curve in curves[name].items()}
+        references = {"end": ends.get(baseline, {}), "time": at_equal_time.get(baseline, {})} if baseline else \
+            {"end": before, "time": before}
+        paired = {key: [scores[seed] - references[key][seed] for seed in by_seed if seed in references[key]]
+                  for key, scores in (("end", ends[name]), ("time", at_equal_time[name]))}
         delta = [series(rows, "dc/mean_D")[1] for rows in by_seed.values()]
+        update = [statistics.median(series(rows, "time/update")[1]) for rows in by_seed.values()]
         lines.append("| " + " | ".join([
-            name, spec["arms"][name]["about"], ", ".join(map(str, by_seed)), cell(before), cell(list(ends[name].values())),
-            "–" if name == baseline else cell(paired),
+            name, spec["arms"][name]["about"], ", ".join(map(str, by_seed)), cell(list(before.values())),
+            cell(list(ends[name].values())), "–" if name == baseline else cell(paired["end"]),
+            cell(list(at_equal_time[name].values())), "–" if name == baseline else cell(paired["time"]),
             f"{mean_of([d[0] for d in delta]):.4f} → {mean_of([d[-1] for d in delta]):.4f}",
             f"{mean_of([series(rows, 'dc/tolerance')[1][0] for rows in by_seed.values()]):.4f}",
             f"{mean_of([series(rows, 'dc/lambda')[1][-1] for rows in by_seed.values()]):.2f}",
+            f"{mean_of(update):.1f}",
+            f"{mean_of([mean_of(series(rows, 'ps/tokens_graded')[1]) for rows in by_seed.values()]):.0f}",
         ]) + " |")
     table = "\n".join(lines)
     (out / "plots").mkdir(parents=True, exist_ok=True)
@@ -218,24 +233,28 @@ def seeded_report(spec: dict, out: Path, steps: int, seeds: list[int], baseline:
                                       for group, names in spec.get("plots", {}).items()}
     for group, names in groups.items():
         if names:
-            seeds_figure(plt, out / "plots" / f"{group}.png", {n: runs[n] for n in names}, ends, steps)
+            seeds_figure(plt, out / "plots" / f"{group}.png", {n: runs[n] for n in names}, ends, steps,
+                         spec.get("seeds_panel", "dc/mean_D"))
     (out / "report_seeds.md").write_text(table + "\n")
     return table
 
 
 def seeds_figure(plt, path: Path, runs: dict[str, dict[int, list[dict]]], ends: dict[str, dict[int, float]],
-                 steps: int) -> None:
-    """Mean D per step, one line per seed, coloured by arm (log scale where it spans a decade), beside
-    each arm's eval after training: every seed (grey), the mean and its 95% interval (black)."""
+                 steps: int, key: str) -> None:
+    """`key` (a PANELS key: mean D per step, or eval against training minutes), one line per seed,
+    coloured by arm (log scale where it spans a decade), beside each arm's eval after training:
+    every seed (grey), the mean and its 95% interval (black)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(2.0 * len(runs) + 6, 3.5))
     for colour, (name, by_seed) in enumerate(runs.items()):
         for i, rows in enumerate(by_seed.values()):
-            left.plot(*series(rows, "dc/mean_D"), color=f"C{colour}", label=name if i == 0 else None)
+            x, y = eval_by_time(rows) if key == "eval_by_time" else series(rows, key)
+            left.plot(x, y, color=f"C{colour}", marker="o" if key.startswith("eval") else None, ms=3,
+                      label=name if i == 0 else None)
     drawn = [y for line in left.get_lines() for y in line.get_ydata()]
     if drawn and min(drawn) > 0 and max(drawn) > 10 * min(drawn):
         left.set_yscale("log")
-    left.set_xlabel("step")
-    left.set_title(PANELS["dc/mean_D"] + ", each seed", fontsize=9)
+    left.set_xlabel("minutes" if key == "eval_by_time" else "step")
+    left.set_title(PANELS[key] + ", each seed", fontsize=9)
     left.legend(fontsize=7)
     for x, name in enumerate(runs):
         values = list(ends[name].values())

@@ -72,3 +72,19 @@ def test_runner_trains_each_arm_once_and_reports(tmp_path, tiny_dir, capsys, mon
                   for seed in (0, 1)] for arm in ("full", "ps")}
     paired = [a - b for a, b in zip(ends["ps"], ends["full"])]
     assert cells[5].startswith(f"{sum(paired) / 2:.3f} ± ")  # the paired difference, seed by seed
+
+    def at_equal_time(arm: str, seed: int) -> float:  # by hand: the last eval within the fastest arm's total time
+        def rows(name):
+            return runner.read_metrics(out / name / f"seed{seed}")
+
+        def total(name):
+            return sum(r["time/step"] for r in rows(name) if "time/step" in r)
+
+        limit = min(total("full"), total("ps"))
+        made = [r for r in rows(arm) if "eval/pass@1" in r
+                and sum(q["time/step"] for q in rows(arm) if "time/step" in q and q["step"] <= r["step"]) <= limit]
+        return made[-1]["eval/pass@1"]
+
+    timed = [at_equal_time("ps", seed) for seed in (0, 1)]
+    paired = [a - at_equal_time("full", seed) for seed, a in zip((0, 1), timed)]
+    assert cells[6].startswith(f"{sum(timed) / 2:.3f} ± ") and cells[7].startswith(f"{sum(paired) / 2:.3f} ± ")
