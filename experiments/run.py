@@ -208,8 +208,9 @@ def seeded_report(spec: dict, out: Path, steps: int, seeds: list[int], baseline:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     ends, at_equal_time = {}, {}
     for name, by_seed in runs.items():
-        before = {seed: evals(rows)[0] for seed, rows in by_seed.items() if 0 in evals(rows)}
-        ends[name] = {seed: evals(rows)[steps] for seed, rows in by_seed.items()}
+        made = {seed: evals(rows) for seed, rows in by_seed.items()}
+        before = {seed: scores[0] for seed, scores in made.items() if 0 in scores}
+        ends[name] = {seed: scores[steps] for seed, scores in made.items()}
         at_equal_time[name] = {seed: at_time(curve, equal_time[seed]) for seed, curve in curves[name].items()}
         references = {"end": ends.get(baseline, {}), "time": at_equal_time.get(baseline, {})} if baseline else \
             {"end": before, "time": before}
