@@ -121,3 +121,11 @@ def test_the_experiment_runs_end_to_end_resumes_and_reports(tiny_gguf, tmp_path,
     (out / "arithmetic" / "deployrl" / "seed0" / "run.json").unlink()
     assert vs_trl.main(argv) == 0
     assert calls == ["train_run", "score"]  # one process scores a run's every adapter in every engine
+    # a score missing in one engine is redone in that engine alone: the other's file is not rewritten
+    trl_eval = out / "arithmetic" / "trl" / "seed0" / "eval"
+    (trl_eval / "hf_fp32" / "6s.json").unlink()
+    kept = {f: f.stat().st_mtime_ns for f in trl_eval.glob("*/*.json")}
+    calls.clear()
+    assert vs_trl.main(argv) == 0
+    assert calls == ["score"] and (trl_eval / "hf_fp32" / "6s.json").is_file()
+    assert {f: f.stat().st_mtime_ns for f in kept} == kept

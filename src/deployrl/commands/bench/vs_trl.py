@@ -250,10 +250,10 @@ def _train_trl(overrides: list[str], seed: int, marks: list[float], run_dir: Pat
     return {"steps": keeper.steps, "setup_s": setup_s, "out_of_steps": bool(keeper.pending)}
 
 
-def score(adapters: list[Optional[str]], outs: list[list[str]], base: str, engines: list[str],
-          task_overrides: list[str], problems: int, samples: int, max_new_tokens: int, seed: int) -> dict[str, Any]:
-    """`deployrl eval`'s scores of each of `adapters` (None: the base alone) on `base`, in each of
-    `engines`, written to `outs[adapter][engine]`; the base model is loaded once for all of them."""
+def score(adapters: list[Optional[str]], outs: list[dict[str, str]], base: str, task_overrides: list[str],
+          problems: int, samples: int, max_new_tokens: int, seed: int) -> dict[str, Any]:
+    """`deployrl eval`'s scores of each of `adapters` (None: the base alone) on `base`, in each engine
+    of `outs[i]` (engine -> file), written to that file; the base model is loaded once for all of them."""
     from deployrl.commands.evaluate import EvalCommandConfig, score_in_engine
     from deployrl.models.loading import gguf_read_once, load_model, load_tokenizer, resolve_model
     from deployrl.models.lora import attach_adapter
@@ -267,7 +267,7 @@ def score(adapters: list[Optional[str]], outs: list[list[str]], base: str, engin
         tokenizer, base_model, task = load_tokenizer(source), load_model(source).eval(), load_task(config.task)
     for adapter, targets in zip(adapters, outs):
         model = base_model if adapter is None else attach_adapter(copy.deepcopy(base_model), Path(adapter))
-        for engine, target in zip(engines, targets):
+        for engine, target in targets.items():
             scores = score_in_engine(engine, model, source, tokenizer, task, config)
             _write_json(Path(target), {"task": task.name, "model": adapter or base, "engine": engine, **scores})
     return {}
@@ -328,15 +328,17 @@ def score_all(config: VsTrlConfig, overrides: list[str]) -> None:
                 if (run_dir / "run.json").exists():
                     runs.append((run_dir, {m: str(run_dir / "adapters" / f"{m:g}s") for m in config.marks}))
             for run_dir, adapters in runs:
-                todo = {m: [str(_score_file(run_dir, e, m)) for e in config.eval_engines] for m in adapters}
-                todo = {m: files for m, files in todo.items() if not all(Path(f).exists() for f in files)}
+                todo = {m: {e: str(_score_file(run_dir, e, m)) for e in config.eval_engines} for m in adapters}
+                todo = {m: {e: f for e, f in files.items() if not Path(f).exists()} for m, files in todo.items()}
+                todo = {m: files for m, files in todo.items() if files}  # a written score is never redone
                 if not todo:
                     continue
+                engines = sorted({e for files in todo.values() for e in files}, key=config.eval_engines.index)
                 print(f"[{task} / seed {seed}] scoring {len(todo)} models of {run_dir} in "
-                      + ", ".join(config.eval_engines), file=sys.stderr, flush=True)
+                      + ", ".join(engines), file=sys.stderr, flush=True)
                 in_fresh_process("deployrl.commands.bench.vs_trl:score", {
                     "adapters": [adapters[m] for m in todo], "outs": list(todo.values()), "base": config.model,
-                    "engines": list(config.eval_engines), "task_overrides": _held_out(task_overrides, seed),
+                    "task_overrides": _held_out(task_overrides, seed),
                     "problems": config.eval_problems, "samples": config.eval_samples,
                     "max_new_tokens": max_new_tokens, "seed": seed,
                 })
