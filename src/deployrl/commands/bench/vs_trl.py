@@ -328,8 +328,8 @@ def score_all(config: VsTrlConfig, overrides: list[str]) -> None:
                 if (run_dir / "run.json").exists():
                     runs.append((run_dir, {m: str(run_dir / "adapters" / f"{m:g}s") for m in config.marks}))
             for run_dir, adapters in runs:
-                todo = {m: {e: str(_score_file(run_dir, e, m)) for e in config.eval_engines} for m in adapters}
-                todo = {m: {e: f for e, f in files.items() if not Path(f).exists()} for m, files in todo.items()}
+                todo = {m: {e: str(f) for e in config.eval_engines if not (f := _score_file(run_dir, e, m)).exists()}
+                        for m in adapters}
                 todo = {m: files for m, files in todo.items() if files}  # a written score is never redone
                 if not todo:
                     continue
